@@ -1,0 +1,1 @@
+"""Autolab: an autoresearch lab run as a declarative controller."""

@@ -1,0 +1,40 @@
+"""Backends: where a run executes. Each one offers the same small seam.
+
+A backend turns a candidate into a run with a deterministic name, observes
+it, and cancels it. `submit` must adopt a run that already exists under that
+name (a restarted controller calls it again), never start a second one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from controller.core.reconcile import RunObservation
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Everything a backend needs to start one run of the bench harness."""
+
+    run: str                 # deterministic run name, e.g. exp-warmdown-075-1
+    experiment: str          # experiment name ("baseline" for a master's baseline)
+    campaign: str
+    candidate_source: str    # the surface source to run
+    candidate_path: str      # where it lies on this machine (local backend)
+    slot: str | None         # GPU id, "cpu", or None where the backend schedules itself
+    profile: str
+    data: str
+    budget_seconds: int | None
+    gpus: int = 1
+    overrides: dict | None = None  # per-experiment backend settings (e.g. spec.hf)
+
+
+class Backend(Protocol):
+    name: str
+
+    def submit(self, req: RunRequest) -> RunObservation: ...
+
+    def observe(self, run: str) -> RunObservation: ...
+
+    def cancel(self, run: str) -> RunObservation: ...

@@ -1,0 +1,451 @@
+"""The lifecycle of an experiment, as one pure function.
+
+`reconcile(world) -> Decision` reads what a front end observed about one
+experiment (its spec, its last status, the master, the checks on its
+candidate, its run) and returns the status it should have now plus the
+intents that move the world one step towards the spec. It does no I/O, reads
+no clock (the time is part of the world) and draws no random numbers, so the
+kopf operator and the local loop share it, and tables of worlds test it.
+
+    Pending -> Invalid | Duplicate | Conflict
+    Pending -> Queued -> Running -> Succeeded (outcome Promoted | Rejected) | Failed
+    any non-terminal phase -> Cancelled (the spec was deleted)
+
+Every intent is idempotent and every one that must happen at a terminal phase
+(recording the ledger row, removing the worktree) is issued again until the
+world shows it done. So a front end may write the status first and carry out
+the intents after: a crash in between is healed by the next pass. Runs have
+deterministic names (`exp-<name>-<attempt>`), so submitting twice adopts the
+run that exists instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.core.spec import ExperimentSpec, LabSpec
+
+TERMINAL = ("Invalid", "Duplicate", "Conflict", "Succeeded", "Failed", "Cancelled")
+ACTIVE = ("Queued", "Running")
+RUN_STATES = ("missing", "queued", "running", "succeeded", "failed", "error", "cancelled", "lost")
+SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
+                "total_tokens_M", "num_steps", "num_params_M", "depth")
+
+
+# --- what the front end observed -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Master:
+    """The promoted surface: its hashes, its commit and its measured metric (None: not yet)."""
+
+    hash: str
+    semantic_hash: str
+    commit: str
+    val_bpb: float | None = None
+    experiment: str | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What materialising the spec produced: a checked candidate, or the refusal."""
+
+    refusal: str | None = None  # "Invalid" or "Conflict"
+    reason: str = ""
+    message: str = ""
+    candidate_hash: str | None = None
+    semantic_hash: str | None = None
+    parent_hash: str | None = None
+    rebased_from: str | None = None
+    commit: str | None = None
+    changed_lines: int = 0
+
+
+@dataclass(frozen=True)
+class RunObservation:
+    """A backend's view of one run. `result` is the run harness's result JSON when finished."""
+
+    name: str
+    state: str
+    result: dict | None = None
+    message: str = ""
+    job_id: str = ""
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    promoted: bool
+    master_val_bpb: float | None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class World:
+    name: str
+    spec: ExperimentSpec | None
+    lab: LabSpec
+    master: Master
+    now: str
+    status: dict = field(default_factory=dict)
+    spec_error: str | None = None
+    generation: int = 1
+    deleting: bool = False
+    candidate: Candidate | None = None
+    duplicate_of: str | None = None
+    slot: str | None = None
+    run: RunObservation | None = None
+    promotion: PromotionResult | None = None
+    recorded: bool = False
+    worktree: bool = False
+
+
+# --- what reconcile asks for -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Intent:
+    """One idempotent effect for the front end to carry out.
+
+    kinds: materialise, submit(run, slot, backend), cancel(run), promote(run, val_bpb),
+    record(row), cleanup.
+    """
+
+    kind: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Decision:
+    status: dict
+    intents: list[Intent] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    # The object may go: it is terminal, recorded and cleaned up (finalizers may be removed).
+    finalized: bool = False
+
+    def kinds(self) -> list[str]:
+        return [i.kind for i in self.intents]
+
+
+def run_name(name: str, attempt: int = 1) -> str:
+    return f"exp-{name}-{attempt}"
+
+
+def beats(val: float, master_val: float | None, min_delta: float) -> bool:
+    """True when `val` improves on the master by more than `min_delta` (lower is better)."""
+    if master_val is None:
+        return False
+    return (master_val - val) > min_delta
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == x and x not in (float("inf"), float("-inf"))
+
+
+# --- the function ----------------------------------------------------------------------------
+
+class _Step:
+    """Accumulates the decision while the phases are walked."""
+
+    def __init__(self, w: World):
+        self.w = w
+        self.st = copy.deepcopy(w.status) if w.status else {}
+        self.intents: list[Intent] = []
+        self.events: list[Event] = []
+
+    def condition(self, type_: str, status: bool, reason: str, message: str) -> None:
+        conds = self.st.setdefault("conditions", [])
+        value = "True" if status else "False"
+        for c in conds:
+            if c["type"] == type_:
+                if c["status"] != value:
+                    c["lastTransitionTime"] = self.w.now
+                c.update(status=value, reason=reason, message=message)
+                return
+        conds.append({"type": type_, "status": value, "reason": reason, "message": message,
+                      "lastTransitionTime": self.w.now})
+
+    def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+        if self.st.get("phase") != phase:
+            self.events.append(Event("Warning" if warning else "Normal", reason, message))
+            if phase in TERMINAL:
+                self.st["finishedAt"] = self.w.now
+        self.st.update(phase=phase, reason=reason, message=message)
+
+    def decision(self, finalized: bool = False) -> Decision:
+        self.st["observedGeneration"] = self.w.generation
+        return Decision(self.st, self.intents, self.events, finalized)
+
+
+def reconcile(w: World) -> Decision:
+    s = _Step(w)
+    st = s.st
+    if not st.get("phase"):
+        s.phase("Pending", "Accepted", "Waiting for the pre-run checks.")
+        st["createdAt"] = w.now
+        if w.spec is not None:
+            st["specGeneration"] = w.generation
+    phase = st["phase"]
+
+    if w.deleting:
+        return _reconcile_deleting(s)
+    if phase in TERMINAL:
+        return _settle_terminal(s)
+    if w.spec_error:
+        s.phase("Invalid", "InvalidSpec", w.spec_error, warning=True)
+        s.condition("Checked", False, "InvalidSpec", w.spec_error)
+        return _settle_terminal(s)
+    if st.get("specGeneration") not in (None, w.generation) and phase != "Pending":
+        s.condition("SpecChangeIgnored", True, "SpecImmutable",
+                    "The spec changed after its checks; an experiment runs the spec it was "
+                    "checked with. Apply the change under a new name.")
+    if phase == "Pending":
+        return _reconcile_pending(s)
+    return _reconcile_active(s)
+
+
+def _reconcile_pending(s: _Step) -> Decision:
+    w, st = s.w, s.st
+    if w.candidate is None:
+        s.intents.append(Intent("materialise"))
+        return s.decision()
+    c = w.candidate
+    if c.refusal:
+        s.phase(c.refusal, c.reason, c.message, warning=True)
+        s.condition("Checked", False, c.reason, c.message)
+        return _settle_terminal(s)
+    st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
+              parentHash=c.parent_hash, commit=c.commit)
+    if c.rebased_from:
+        st["rebasedFrom"] = c.rebased_from
+    if w.duplicate_of:
+        st["duplicateOf"] = w.duplicate_of
+        msg = (f"The candidate is the same program as {w.duplicate_of} (hash "
+               f"{c.candidate_hash[:12]}); no GPU is spent on a repeat. Change the idea, "
+               "not the formatting.")
+        s.phase("Duplicate", "DuplicateCandidate", msg, warning=True)
+        s.condition("Checked", False, "DuplicateCandidate", msg)
+        return _settle_terminal(s)
+    msg = "The diff applies, the candidate compiles and is new."
+    if c.rebased_from:
+        msg = (f"The diff was written against {c.rebased_from[:12]} and rebased cleanly onto "
+               f"master {c.parent_hash[:12]}; the candidate compiles and is new.")
+    s.condition("Checked", True, "ChecksPassed", msg)
+    s.phase("Queued", "ChecksPassed", "Waiting for a free slot.")
+    st["queuedAt"] = w.now
+    return _reconcile_active(s)
+
+
+def _reconcile_active(s: _Step) -> Decision:
+    w, st = s.w, s.st
+    job = st.get("job")
+    if not job:
+        if w.master.val_bpb is None:
+            s.condition("Scheduled", False, "WaitingForBaseline",
+                        "The master has no measured val_bpb yet; its baseline run comes first.")
+            return s.decision()
+        if w.slot is None:
+            s.condition("Scheduled", False, "WaitingForSlot", "All slots are busy.")
+            return s.decision()
+        backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
+        st["job"] = {"backend": backend, "name": run_name(w.name), "slot": w.slot}
+        s.condition("Scheduled", True, "Submitted", f"Run {run_name(w.name)} submitted to "
+                                                     f"{backend} on slot {w.slot}.")
+        s.events.append(Event("Normal", "Submitted", f"Run {run_name(w.name)} on {backend}, "
+                                                     f"slot {w.slot}."))
+        s.intents.append(Intent("submit", {"run": run_name(w.name), "slot": w.slot,
+                                           "backend": backend}))
+        return s.decision()
+    run = w.run
+    if run is None or run.state == "missing":
+        # Submitted but not visible (a crash before the backend saw it, or a lagging cache):
+        # submitting again adopts the run if it exists, creates it if it does not.
+        s.intents.append(Intent("submit", {"run": job["name"], "slot": job.get("slot"),
+                                           "backend": job["backend"]}))
+        return s.decision()
+    if run.job_id:
+        job["id"] = run.job_id
+    if run.state == "queued":
+        if st["phase"] != "Queued":
+            s.phase("Queued", "RunQueued", run.message or "The run waits for its GPU.")
+        return s.decision()
+    if run.state == "running":
+        if st["phase"] != "Running":
+            st["startedAt"] = w.now
+            s.phase("Running", "RunStarted", f"Run {job['name']} is training.")
+            s.condition("Running", True, "RunStarted", f"Run {job['name']} is training.")
+        return s.decision()
+    return _reconcile_finished(s, run)
+
+
+def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
+    w, st = s.w, s.st
+    if run.worker:
+        st.setdefault("job", {})["worker"] = run.worker
+    s.condition("Running", False, "RunFinished", f"Run ended: {run.state}.")
+    if run.state == "cancelled":
+        s.phase("Cancelled", "RunCancelled", run.message or "The run was cancelled.", True)
+        return _settle_terminal(s)
+    if run.state in ("failed", "error", "lost"):
+        reason = {"failed": "CandidateFailed", "error": "InfrastructureError",
+                  "lost": "RunLost"}[run.state]
+        detail = (run.result or {}).get("reason") or run.message or "no reason given"
+        s.phase("Failed", reason, f"The run failed: {detail}", warning=True)
+        return _settle_terminal(s)
+    metrics = dict((run.result or {}).get("metrics") or {})
+    val = metrics.get(w.lab.metric)
+    if not _finite(val):
+        s.phase("Failed", "NoMetric", f"The run finished without a finite {w.lab.metric}.", True)
+        return _settle_terminal(s)
+    st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
+    master_val = w.master.val_bpb
+    if w.promotion is not None:
+        master_val = w.promotion.master_val_bpb
+    if master_val is not None:
+        st["delta"] = round(val - master_val, 6)
+        st["masterValBpb"] = master_val
+    if w.promotion is None and beats(val, w.master.val_bpb, w.lab.min_delta) \
+            and w.master.experiment != w.name:
+        s.condition("Promoted", False, "Promoting", "Comparing against the master under its lock.")
+        s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val}))
+        return s.decision()
+    promoted = (w.promotion.promoted if w.promotion is not None
+                else w.master.experiment == w.name)
+    st["outcome"] = "Promoted" if promoted else "Rejected"
+    if promoted:
+        msg = (f"{w.lab.metric} {val:.6f} beat the master's {master_val:.6f}; "
+               "the candidate is the new master.")
+        s.condition("Promoted", True, "BeatMaster", msg)
+    else:
+        why = w.promotion.message if (w.promotion and w.promotion.message) else (
+            f"{w.lab.metric} {val:.6f} did not beat the master's "
+            f"{master_val:.6f} by more than {w.lab.min_delta}.")
+        s.condition("Promoted", False, "DidNotBeatMaster", why)
+        msg = why
+    s.phase("Succeeded", "Promoted" if promoted else "Rejected", msg)
+    return _settle_terminal(s)
+
+
+def _reconcile_deleting(s: _Step) -> Decision:
+    w, st = s.w, s.st
+    if st["phase"] in TERMINAL:
+        return _settle_terminal(s, deleting=True)
+    job = st.get("job")
+    if job and w.run is not None and w.run.state in ("queued", "running"):
+        s.intents.append(Intent("cancel", {"run": job["name"], "backend": job["backend"]}))
+        return s.decision()
+    if job and w.run is not None and w.run.state in ("succeeded", "failed", "error", "lost"):
+        # It finished before the cancel landed: the result is real, record it.
+        dec = _reconcile_finished(s, w.run)
+        if st["phase"] not in TERMINAL:
+            return dec
+        return _settle_terminal(s, deleting=True)
+    s.phase("Cancelled", "Deleted", "The experiment was deleted before it finished.", True)
+    return _settle_terminal(s, deleting=True)
+
+
+def _settle_terminal(s: _Step, deleting: bool = False) -> Decision:
+    w = s.w
+    if not w.recorded:
+        s.intents.append(Intent("record", {"row": ledger_row(w.name, w.spec, s.st)}))
+    if w.worktree:
+        s.intents.append(Intent("cleanup"))
+    done = w.recorded and not w.worktree
+    return s.decision(finalized=done and deleting)
+
+
+# --- the ledger row ---------------------------------------------------------------------------
+
+def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
+    """The ledger row of a terminal experiment (created_at and worker_id come from the shell)."""
+    metrics = st.get("metrics") or {}
+    job = st.get("job") or {}
+    phase = st.get("phase", "")
+    status = phase.lower()
+    if phase == "Failed" and st.get("reason") == "InfrastructureError":
+        status = "error"
+
+    def num(key: str) -> str:
+        v = metrics.get(key)
+        return "" if v is None else str(v)
+
+    return {
+        "run_id": job.get("name") or run_name(name),
+        "status": status,
+        "job_id": job.get("id", ""),
+        "campaign": spec.campaign if spec else "",
+        "experiment_id": name,
+        "worker_id": job.get("worker", ""),
+        "hypothesis": spec.hypothesis if spec else "",
+        "parent_hash": st.get("parentHash") or (spec.parent if spec else ""),
+        "candidate_hash": st.get("candidateHash", ""),
+        "val_bpb": num("val_bpb"),
+        "training_seconds": num("training_seconds"),
+        "total_seconds": num("total_seconds"),
+        "peak_vram_mb": num("peak_vram_mb"),
+        "mfu_percent": num("mfu_percent"),
+        "promoted": "1" if st.get("outcome") == "Promoted" else "0",
+        "comment": st.get("message", ""),
+        "semantic_hash": st.get("semanticHash", ""),
+        "outcome": st.get("outcome", ""),
+        "delta": "" if st.get("delta") is None else str(st["delta"]),
+        "rebased_from": st.get("rebasedFrom", ""),
+        "duplicate_of": st.get("duplicateOf", ""),
+        "backend": job.get("backend", ""),
+        "reason": st.get("reason", ""),
+    }
+
+
+# --- the baseline of a master that has no metric yet ------------------------------------------
+
+def baseline_run_name(master: Master) -> str:
+    return f"baseline-{master.hash[:10]}"
+
+
+def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | None,
+                       recorded: bool) -> list[Intent]:
+    """Intents that measure a master nobody has measured: run it once, record it, set it."""
+    if master.val_bpb is not None:
+        return []
+    name = baseline_run_name(master)
+    if run is None or run.state == "missing":
+        return [Intent("submit", {"run": name, "slot": slot})] if slot is not None else []
+    if run.state in ("queued", "running"):
+        return []
+    val = ((run.result or {}).get("metrics") or {}).get("val_bpb")
+    ok = run.state == "succeeded" and _finite(val)
+    row = {"run_id": name, "status": "baseline" if ok else "error", "job_id": run.job_id,
+           "campaign": "", "experiment_id": "baseline", "worker_id": run.worker,
+           "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
+           "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
+           "comment": "" if ok else ((run.result or {}).get("reason") or run.message)}
+    for k in SUMMARY_KEYS:
+        if k in ((run.result or {}).get("metrics") or {}):
+            row[k] = str(run.result["metrics"][k])
+    out = [] if recorded else [Intent("record", {"row": row})]
+    if ok:
+        out.append(Intent("set-master-metric", {"val_bpb": val, "run": name}))
+    else:
+        out.append(Intent("resubmit-baseline", {"run": name, "reason": row["comment"]}))
+    return out
+
+
+# --- slots --------------------------------------------------------------------------------------
+
+def allocate_slots(queued: list[tuple[str, int, str]], busy: set[str],
+                   slots: list[str]) -> dict[str, str]:
+    """Give free slots to queued experiments: higher priority first, FIFO within a priority.
+
+    queued: (name, priority, queued_at) of experiments waiting for a slot.
+    busy: slots held by runs in flight. slots: every slot id (GPU ids, or ["cpu"]).
+    """
+    free = [s for s in slots if s not in busy]
+    order = sorted(queued, key=lambda q: (-q[1], q[2], q[0]))
+    return {name: slot for (name, _, _), slot in zip(order, free)}

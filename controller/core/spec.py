@@ -1,0 +1,295 @@
+"""The Experiment and Lab specs: one schema, used everywhere.
+
+The schemas below are the single source of truth for what a user may write.
+The local front end validates spec files against them, the CRDs in `crds/`
+are generated from them (`autolab crds`), and the tests check that the files
+on disk still match, so the cluster and the laptop can never disagree.
+
+Validation is strict: unknown fields, wrong kinds and wrong types are refused
+with the file, the field and what is expected. Kubernetes structural schemas
+cannot say `additionalProperties: false` next to `properties`, so the CRD
+rendering drops those markers and relies on the API server's field pruning
+and `kubectl`'s strict field validation instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+GROUP = "autolab.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Names become branch names, Job names (`exp-<name>-<attempt>`, <= 63 chars)
+# and label values, so they are DNS labels with room for the prefixes.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX = 50
+HASH_PREFIX_PATTERN = r"^[0-9a-f]{4,40}$"
+DIFF_MAX_BYTES = 128 * 1024
+BACKENDS = ("local", "kubernetes", "hf")
+
+
+def _s(description: str, **kw: Any) -> dict:
+    return {"type": "string", "description": description, **kw}
+
+
+def _i(description: str, **kw: Any) -> dict:
+    return {"type": "integer", "description": description, **kw}
+
+
+def _obj(description: str, properties: dict, required: tuple = (), **kw: Any) -> dict:
+    out = {"type": "object", "description": description, "properties": properties,
+           "additionalProperties": False, **kw}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+HF_OVERRIDES = _obj("Hugging Face Jobs settings for this run; each overrides the Lab's.", {
+    "flavor": _s("Hardware flavor, e.g. h200, a100-large, l4x1.", pattern=r"^[a-z0-9][-a-z0-9]*$"),
+    "timeout": _s("Job timeout, e.g. 30m or 1h.", pattern=r"^[0-9]+[smhd]?$"),
+    "namespace": _s("User or organisation that owns the job."),
+})
+
+EXPERIMENT_SPEC = _obj(
+    "What the experiment changes and why: one hypothesis, one diff against the surface.",
+    {
+        "lab": _s("Name of the Lab this experiment belongs to.", pattern=NAME_PATTERN,
+                  maxLength=NAME_MAX, default="default"),
+        "campaign": _s("Campaign grouping related experiments (a label-safe name).",
+                       pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=63),
+        "hypothesis": _s("One sentence: what the change should do to val_bpb, and why.",
+                         minLength=1, maxLength=2000),
+        "parent": _s("Master hash (or a unique prefix of at least 4 hex digits) the diff "
+                     "was written against.", pattern=HASH_PREFIX_PATTERN),
+        "diff": _s("Unified diff against the surface (bench/train.py or train.py). "
+                   "Only the surface may change.", minLength=1, maxLength=DIFF_MAX_BYTES),
+        "backend": _s("Where the run executes; default: the Lab's.", enum=list(BACKENDS)),
+        "resources": _obj("Resources for the run.", {
+            "gpus": _i("GPUs for the run (0 runs on the CPU).", minimum=0, maximum=8, default=1),
+        }),
+        "priority": _i("Higher runs first when GPU slots are scarce.", minimum=-1000,
+                       maximum=1000, default=0),
+        "hf": HF_OVERRIDES,
+    },
+    required=("hypothesis", "parent", "diff"),
+)
+
+LAB_SPEC = _obj(
+    "The benchmark being optimised: surface, harness, metric, budget, capacity, promotion "
+    "policy and backend defaults.",
+    {
+        "surface": _s("Path of the one file experiments may change.", default="bench/train.py"),
+        "harness": _s("Path of the fixed harness that nobody changes.", default="bench/prepare.py"),
+        "metric": _s("Metric read from the run result; lower is better.", enum=["val_bpb"],
+                     default="val_bpb"),
+        "profile": _s("Benchmark profile: default (CUDA) or tiny (CPU, seconds).",
+                      enum=["default", "tiny"], default="default"),
+        "budgetSeconds": _i("Training-time budget of one run, in seconds.", minimum=1,
+                            maximum=86400),
+        "data": _s("Data source for prepare: hub, synthetic or dir:PATH.",
+                   pattern=r"^(hub|synthetic|dir:.+)$", default="hub"),
+        "capacity": _obj("How many runs may execute at once.", {
+            "gpuSlots": _i("Concurrent runs; 0 means one per visible GPU (one on a CPU).",
+                           minimum=0, maximum=1024, default=0),
+        }),
+        "promotion": _obj("When a finished candidate replaces the master.", {
+            "minDelta": {"type": "number", "minimum": 0, "default": 0,
+                         "description": "Promote only if val_bpb is lower than the master's by "
+                                        "more than this (0: strictly lower)."},
+        }),
+        "backend": _s("Default backend for experiments.", enum=list(BACKENDS), default="local"),
+        "kubernetes": _obj("Settings of the Kubernetes Job backend.", {
+            "image": _s("Container image holding bench/ (see bench/Dockerfile)."),
+            "cachePVC": _s("PersistentVolumeClaim holding the data and compile caches."),
+            "queue": _s("Kueue LocalQueue; when set, Jobs are created suspended for Kueue."),
+            "priorityClassName": _s("PriorityClass for run Pods."),
+            "nodeSelector": {"type": "object", "description": "Node labels run Pods require.",
+                             "additionalProperties": {"type": "string"}},
+            "tolerations": {"type": "array", "description": "Tolerations for run Pods.",
+                            "items": {"type": "object",
+                                      "x-kubernetes-preserve-unknown-fields": True}},
+            "backoffLimit": _i("Retries of a Pod lost to the infrastructure.", minimum=0,
+                               maximum=10, default=2),
+        }),
+        "hf": _obj("Settings of the Hugging Face Jobs backend.", {
+            "flavor": _s("Hardware flavor, e.g. h200.", default="h200"),
+            "namespace": _s("User or organisation that owns the jobs."),
+            "bucket": _s("Bucket holding the prepared data cache, mounted at the cache dir."),
+            "timeout": _s("Job timeout, e.g. 30m.", pattern=r"^[0-9]+[smhd]?$", default="30m"),
+            "image": _s("Docker image the job runs in."),
+            "tokenSecret": _s("In a cluster: the Secret (key HF_TOKEN) holding the token."),
+        }),
+    },
+)
+
+
+def document_schema(kind: str, spec_schema: dict, extra_required: tuple = ()) -> dict:
+    """The schema of a whole spec file (apiVersion, kind, metadata, spec)."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec", *extra_required],
+        "properties": {
+            "apiVersion": {"const": API_VERSION},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": NAME_PATTERN, "maxLength": NAME_MAX},
+                    "namespace": {"type": "string"},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "annotations": {"type": "object",
+                                    "additionalProperties": {"type": "string"}},
+                },
+            },
+            "spec": spec_schema,
+        },
+    }
+
+
+SCHEMAS = {"Experiment": document_schema("Experiment", EXPERIMENT_SPEC),
+           "Lab": document_schema("Lab", LAB_SPEC)}
+
+
+def crd_schema(schema: dict) -> dict:
+    """The schema as Kubernetes wants it: structural, without additionalProperties: false."""
+    out = copy.deepcopy(schema)
+
+    def strip(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("additionalProperties") is False:
+                del node["additionalProperties"]
+            for v in node.values():
+                strip(v)
+        elif isinstance(node, list):
+            for v in node:
+                strip(v)
+
+    strip(out)
+    return out
+
+
+class SpecError(ValueError):
+    """A spec that cannot be accepted; the message names where and what to fix."""
+
+
+def _where(path: list) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _explain(err: jsonschema.ValidationError) -> str:
+    where = _where(list(err.absolute_path))
+    v = err.validator
+    if v == "required":
+        missing = err.message.split("'")[1]
+        field = f"{where}.{missing}" if err.absolute_path else missing
+        expect = err.schema.get("properties", {}).get(missing, {})
+        hint = expect.get("description", "")
+        return f"{field}: required field is missing" + (f" ({hint})" if hint else "")
+    if v == "additionalProperties":
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        known = ", ".join(sorted(err.schema.get("properties", {})))
+        prefix = f"{where}." if err.absolute_path else ""
+        msg = f"{prefix}{extra[0]}: unknown field; expected one of: {known}"
+        if extra and extra[0] == "status":
+            msg += " (status is written by the controller; remove it from the spec)"
+        return msg
+    if v == "const":
+        return f"{where}: expected {err.validator_value!r}, got {err.instance!r}"
+    if v == "type":
+        return f"{where}: expected {err.validator_value}, got {type(err.instance).__name__} {err.instance!r}"
+    if v == "enum":
+        return f"{where}: expected one of {', '.join(map(str, err.validator_value))}, got {err.instance!r}"
+    if v == "pattern":
+        what = "a lowercase DNS label (a-z, 0-9, '-')" if err.validator_value == NAME_PATTERN \
+            else ("4 to 40 lowercase hex digits" if err.validator_value == HASH_PREFIX_PATTERN
+                  else f"text matching {err.validator_value}")
+        return f"{where}: expected {what}, got {err.instance!r}"
+    if v in ("maxLength", "minLength"):
+        n = len(err.instance) if isinstance(err.instance, str) else 0
+        if v == "minLength":
+            return f"{where}: must not be empty"
+        return f"{where}: is {n} characters; at most {err.validator_value} allowed"
+    if v in ("minimum", "maximum"):
+        return f"{where}: {err.instance!r} is out of range ({v} {err.validator_value})"
+    return f"{where}: {err.message}"
+
+
+def validate_document(doc: Any, *, source: str = "spec", kind: str | None = None) -> dict:
+    """Check a parsed spec file; returns it, or raises SpecError naming source and field."""
+    if not isinstance(doc, dict):
+        raise SpecError(f"{source}: expected a mapping with apiVersion, kind, metadata and spec, "
+                        f"got {type(doc).__name__}")
+    k = kind or doc.get("kind")
+    if k not in SCHEMAS:
+        raise SpecError(f"{source}: kind: expected one of {', '.join(SCHEMAS)}, got {k!r}")
+    errors = sorted(jsonschema.Draft202012Validator(SCHEMAS[k]).iter_errors(doc),
+                    key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        raise SpecError(f"{source}: " + "; ".join(_explain(e) for e in errors[:5]))
+    return doc
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """An Experiment's spec, defaults filled in."""
+
+    hypothesis: str
+    parent: str
+    diff: str
+    lab: str = "default"
+    campaign: str = ""
+    backend: str | None = None
+    gpus: int = 1
+    priority: int = 0
+    hf: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "ExperimentSpec":
+        return cls(hypothesis=spec["hypothesis"].strip(), parent=spec["parent"], diff=spec["diff"],
+                   lab=spec.get("lab", "default"), campaign=spec.get("campaign", ""),
+                   backend=spec.get("backend"),
+                   gpus=int(spec.get("resources", {}).get("gpus", 1)),
+                   priority=int(spec.get("priority", 0)), hf=dict(spec.get("hf", {})))
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    """A Lab's spec, defaults filled in."""
+
+    surface: str = "bench/train.py"
+    harness: str = "bench/prepare.py"
+    metric: str = "val_bpb"
+    profile: str = "default"
+    budget_seconds: int | None = None
+    data: str = "hub"
+    gpu_slots: int = 0
+    min_delta: float = 0.0
+    backend: str = "local"
+    kubernetes: dict = field(default_factory=dict)
+    hf: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "LabSpec":
+        return cls(surface=spec.get("surface", "bench/train.py"),
+                   harness=spec.get("harness", "bench/prepare.py"),
+                   metric=spec.get("metric", "val_bpb"), profile=spec.get("profile", "default"),
+                   budget_seconds=spec.get("budgetSeconds"), data=spec.get("data", "hub"),
+                   gpu_slots=int(spec.get("capacity", {}).get("gpuSlots", 0)),
+                   min_delta=float(spec.get("promotion", {}).get("minDelta", 0.0)),
+                   backend=spec.get("backend", "local"),
+                   kubernetes=dict(spec.get("kubernetes", {})), hf=dict(spec.get("hf", {})))
+
+
+def is_valid_name(name: str) -> bool:
+    return len(name) <= NAME_MAX and re.match(NAME_PATTERN, name) is not None

@@ -1,0 +1,125 @@
+"""The CustomResourceDefinitions, generated from the spec schemas in `controller.core.spec`.
+
+`autolab crds` writes `crds/experiment.yaml` and `crds/lab.yaml`; a test
+checks that the files in the repo equal what this module renders, so the CRDs
+and the local validator cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from controller.core.spec import (EXPERIMENT_SPEC, GROUP, LAB_SPEC, VERSION, crd_schema)
+
+STATUS_DESCRIPTION = ("What the controller observed; written by the controller only "
+                      "(status subresource).")
+
+EXPERIMENT_STATUS = {
+    "type": "object", "description": STATUS_DESCRIPTION,
+    "x-kubernetes-preserve-unknown-fields": True,
+    "properties": {
+        "phase": {"type": "string", "description": "Pending, Invalid, Duplicate, Conflict, "
+                                                   "Queued, Running, Succeeded, Failed or "
+                                                   "Cancelled."},
+        "outcome": {"type": "string", "description": "Promoted or Rejected, once Succeeded."},
+        "reason": {"type": "string", "description": "CamelCase reason of the last transition."},
+        "message": {"type": "string", "description": "The last transition, for a person."},
+        "candidateHash": {"type": "string", "description": "SHA-1 of the normalised candidate."},
+        "semanticHash": {"type": "string", "description": "SHA-1 of the candidate's AST."},
+        "parentHash": {"type": "string", "description": "Master hash the candidate ran against."},
+        "rebasedFrom": {"type": "string", "description": "Master hash the diff was written "
+                                                         "against, when it was rebased."},
+        "duplicateOf": {"type": "string", "description": "What this candidate repeats."},
+        "delta": {"type": "number", "description": "val_bpb minus the master's (negative is "
+                                                   "better)."},
+        "metrics": {"type": "object", "description": "The run's summary metrics.",
+                    "x-kubernetes-preserve-unknown-fields": True},
+        "job": {"type": "object", "description": "The run: backend, name, slot, id.",
+                "x-kubernetes-preserve-unknown-fields": True},
+        "conditions": {"type": "array", "description": "Checked, Scheduled, Running, Promoted.",
+                       "items": {"type": "object",
+                                 "x-kubernetes-preserve-unknown-fields": True}},
+        "observedGeneration": {"type": "integer", "description": "Generation last reconciled."},
+    },
+}
+
+LAB_STATUS = {
+    "type": "object", "description": STATUS_DESCRIPTION,
+    "x-kubernetes-preserve-unknown-fields": True,
+    "properties": {
+        "master": {"type": "object", "description": "The current master: hash, val_bpb, "
+                                                    "experiment, promotedAt.",
+                   "x-kubernetes-preserve-unknown-fields": True},
+        "running": {"type": "integer", "description": "Runs in flight."},
+    },
+}
+
+
+def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: list) -> dict:
+    schema = crd_schema({
+        "type": "object",
+        "description": f"An Autolab {kind}.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": "autolab.dev/v1alpha1"},
+            "kind": {"type": "string", "description": kind},
+            "metadata": {"type": "object", "description": "Standard object metadata."},
+            "spec": spec,
+            "status": status,
+        },
+    })
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(),
+                      "shortNames": [short], "listKind": f"{kind}List"},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": schema},
+            }],
+        },
+    }
+
+
+def experiment_crd() -> dict:
+    return _crd("Experiment", "experiments", "exp", EXPERIMENT_SPEC, EXPERIMENT_STATUS, [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Outcome", "type": "string", "jsonPath": ".status.outcome"},
+        {"name": "val_bpb", "type": "number", "jsonPath": ".status.metrics.val_bpb"},
+        {"name": "Delta", "type": "number", "jsonPath": ".status.delta"},
+        {"name": "Campaign", "type": "string", "jsonPath": ".spec.campaign"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ])
+
+
+def lab_crd() -> dict:
+    return _crd("Lab", "labs", "lab", LAB_SPEC, LAB_STATUS, [
+        {"name": "Metric", "type": "string", "jsonPath": ".spec.metric"},
+        {"name": "Master", "type": "string", "jsonPath": ".status.master.hash"},
+        {"name": "Best", "type": "number", "jsonPath": ".status.master.val_bpb"},
+        {"name": "Running", "type": "integer", "jsonPath": ".status.running"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ])
+
+
+def render() -> dict[str, str]:
+    header = "# Generated by `autolab crds` from controller/core/spec.py; do not edit by hand.\n"
+    return {name: header + yaml.safe_dump(doc, sort_keys=False, width=100)
+            for name, doc in (("experiment.yaml", experiment_crd()), ("lab.yaml", lab_crd()))}
+
+
+def write_crds(out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in render().items():
+        (out / name).write_text(text)
+        paths.append(out / name)
+    return paths

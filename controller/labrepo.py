@@ -1,0 +1,247 @@
+"""The lab repo: git branches and worktrees for candidates, the master and its history.
+
+Every experiment is materialised in a worktree `.autolab/worktrees/<name>`
+checked out at the master it was written against; its diff is applied by
+`git apply` (arguments as a list, the diff on stdin: no shell ever sees a
+user's string) and committed with the hypothesis as the message and trailers
+naming the experiment, campaign and parent. If the master moved on, that
+commit is cherry-picked onto the current master: a clean three-way merge
+rebases it, a conflict refuses it with the failing hunk. The commit stays on
+branch `autolab/exp/<name>` (the experiment DAG); the worktree goes when the
+run ends.
+
+The master is branch `autolab/master` plus `research/live/master.json`, which
+holds its hashes, its metric and the history of masters (so a spec's `parent`
+prefix resolves to the commit it was written against). Promotion is a
+compare-and-swap: under a lock, re-read the master, compare again, then move
+the branch and rewrite master.json atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from controller.core.diffs import DiffRefused, parse_surface_diff
+from controller.core.hashing import candidate_hash, semantic_hash
+from controller.core.reconcile import Candidate, Master, PromotionResult, beats
+from controller.core.spec import ExperimentSpec, LabSpec
+
+MASTER_BRANCH = "autolab/master"
+GIT_ID = ["-c", "user.name=autolab", "-c", "user.email=autolab@localhost",
+          "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null"]
+
+
+class GitError(RuntimeError):
+    pass
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class MasterRecord:
+    hash: str
+    commit: str
+    val_bpb: float | None
+    experiment: str | None
+
+
+class LabRepo:
+    def __init__(self, root: str | Path, lab: LabSpec):
+        self.root = Path(root).resolve()
+        self.lab = lab
+        self.state = self.root / ".autolab"
+        self.master_file = self.root / "research" / "live" / "master.json"
+        self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
+
+    # -- git -----------------------------------------------------------------------------------
+    def git(self, *args: str, cwd: Path | None = None, input: str | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["git", *GIT_ID, *args], cwd=cwd or self.root, input=input,
+                              capture_output=True, text=True)
+        if check and proc.returncode != 0:
+            raise GitError(f"git {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
+        return proc
+
+    def worktree_path(self, name: str) -> Path:
+        return self.state / "worktrees" / name
+
+    def has_worktree(self, name: str) -> bool:
+        return self.worktree_path(name).exists()
+
+    # -- master --------------------------------------------------------------------------------
+    def master_doc(self) -> dict:
+        return json.loads(self.master_file.read_text())
+
+    def master(self) -> Master:
+        d = self.master_doc()
+        return Master(hash=d["hash"], semantic_hash=d["semanticHash"], commit=d["commit"],
+                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"))
+
+    def master_source(self) -> str:
+        return self.git("show", f"{self.master().commit}:{self.lab.surface}").stdout
+
+    def seed_master(self, commit: str) -> None:
+        """Make `commit` the first master (called by `autolab init`)."""
+        source = self.git("show", f"{commit}:{self.lab.surface}").stdout
+        self.git("branch", "-f", MASTER_BRANCH, commit)
+        entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),
+                 "commit": commit, "val_bpb": None, "experiment": None, "parent": None,
+                 "promotedAt": None}
+        atomic_write(self.master_file, json.dumps({**entry, "history": [dict(entry)]},
+                                                  indent=2) + "\n")
+
+    def resolve_parent(self, prefix: str) -> dict:
+        """The master (from history) whose hash or commit starts with `prefix`."""
+        history = self.master_doc().get("history", [])
+        hits = {h["hash"]: h for h in history
+                if h["hash"].startswith(prefix) or h["commit"].startswith(prefix)}
+        if not hits:
+            current = self.master().hash
+            raise DiffRefused("UnknownParent",
+                              f"parent {prefix} is not a master of this lab; write the diff "
+                              f"against the current master {current[:12]} "
+                              "(see `autolab master`)")
+        if len(hits) > 1:
+            raise DiffRefused("AmbiguousParent",
+                              f"parent {prefix} matches several masters "
+                              f"({', '.join(h[:12] for h in hits)}); give more hex digits")
+        return next(iter(hits.values()))
+
+    def set_master_metric(self, val_bpb: float) -> None:
+        with self._master_lock:
+            d = self.master_doc()
+            if d.get("val_bpb") is not None:
+                return
+            d["val_bpb"] = val_bpb
+            for h in d["history"]:
+                if h["hash"] == d["hash"] and h.get("val_bpb") is None:
+                    h["val_bpb"] = val_bpb
+            atomic_write(self.master_file, json.dumps(d, indent=2) + "\n")
+
+    def promote(self, name: str, commit: str, val_bpb: float, hashes: tuple[str, str],
+                parent: str, now: str) -> PromotionResult:
+        """Compare-and-swap: under the lock, re-read the master, compare again, then move it."""
+        with self._master_lock:
+            d = self.master_doc()
+            if d.get("experiment") == name:
+                prev = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
+                return PromotionResult(True, prev)
+            if not beats(val_bpb, d.get("val_bpb"), self.lab.min_delta):
+                return PromotionResult(False, d.get("val_bpb"),
+                                       f"val_bpb {val_bpb:.6f} did not beat the master "
+                                       f"{d['hash'][:12]} ({d.get('experiment') or 'seed'}, "
+                                       f"{d.get('val_bpb')}), which was promoted while this "
+                                       "run was in flight.")
+            self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
+            entry = {"hash": hashes[0], "semanticHash": hashes[1], "commit": commit,
+                     "val_bpb": val_bpb, "experiment": name, "parent": parent,
+                     "promotedAt": now}
+            history = d["history"] + [dict(entry)]
+            atomic_write(self.master_file, json.dumps({**entry, "history": history},
+                                                      indent=2) + "\n")
+            return PromotionResult(True, d.get("val_bpb"))
+
+    # -- candidates ----------------------------------------------------------------------------
+    def _remove_worktree(self, name: str) -> None:
+        wt = self.worktree_path(name)
+        if wt.exists():
+            self.git("worktree", "remove", "--force", str(wt), check=False)
+            shutil.rmtree(wt, ignore_errors=True)
+        self.git("worktree", "prune", check=False)
+
+    def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
+        """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""
+        surface = self.lab.surface
+        try:
+            diff = parse_surface_diff(spec.diff, surface)
+            parent = self.resolve_parent(spec.parent)
+        except DiffRefused as e:
+            return Candidate(refusal="Invalid", reason=e.reason, message=str(e))
+        master = self.master()
+        wt = self.worktree_path(name)
+        self._remove_worktree(name)
+        wt.parent.mkdir(parents=True, exist_ok=True)
+        self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"])
+        applied = self.git("apply", "--whitespace=nowarn", "-", cwd=wt, input=diff.text,
+                           check=False)
+        if applied.returncode != 0:
+            self._remove_worktree(name)
+            why = applied.stderr.strip().replace("error: ", "").replace("\n", "; ")
+            return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
+                             message=f"diff does not apply to its parent {parent['hash'][:12]}: "
+                                     f"{why}; regenerate it against that master "
+                                     "(`autolab worktree` gives a fresh copy)")
+        trailers = (f"\n\nAutolab-Experiment: {name}\nAutolab-Campaign: {spec.campaign or '-'}"
+                    f"\nAutolab-Parent: {parent['hash']}")
+        self.git("commit", "--quiet", "--allow-empty", "-a", "-m",
+                 spec.hypothesis + trailers, cwd=wt)
+        rebased_from = None
+        base = parent
+        if parent["commit"] != master.commit:
+            mine = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
+            self.git("checkout", "--quiet", "--detach", master.commit, cwd=wt)
+            picked = self.git("cherry-pick", mine, cwd=wt, check=False)
+            if picked.returncode != 0:
+                hunk = _conflict_hunk(wt / surface)
+                self.git("cherry-pick", "--abort", cwd=wt, check=False)
+                self._remove_worktree(name)
+                msg = (f"diff was written against {parent['hash'][:12]} and conflicts with the "
+                       f"current master {master.hash[:12]} ({master.experiment or 'seed'}):\n"
+                       f"{hunk}\nrewrite the change against the current master")
+                return Candidate(refusal="Conflict", reason="RebaseConflict", message=msg)
+            rebased_from = parent["hash"]
+            base = {"hash": master.hash}
+            self.git("commit", "--quiet", "--amend", "--allow-empty", "-m",
+                     spec.hypothesis + trailers.replace(parent["hash"], master.hash)
+                     + f"\nAutolab-Rebased-From: {parent['hash']}", cwd=wt)
+        source = (wt / surface).read_text(encoding="utf-8")
+        try:
+            compile(source, surface, "exec", dont_inherit=True)
+            sem = semantic_hash(source)
+        except SyntaxError as e:
+            self._remove_worktree(name)
+            return Candidate(refusal="Invalid", reason="CompileError",
+                             message=f"candidate does not compile: {surface} line {e.lineno}: "
+                                     f"{e.msg}")
+        commit = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
+        self.git("branch", "-f", f"autolab/exp/{name}", commit)
+        return Candidate(candidate_hash=candidate_hash(source), semantic_hash=sem,
+                         parent_hash=base["hash"], rebased_from=rebased_from, commit=commit,
+                         changed_lines=len(diff.added) + len(diff.removed))
+
+    def cleanup(self, name: str, keep_branch: bool) -> None:
+        self._remove_worktree(name)
+        if not keep_branch:
+            self.git("branch", "-D", f"autolab/exp/{name}", check=False)
+
+    def candidate_source(self, name: str) -> str:
+        return self.git("show", f"autolab/exp/{name}:{self.lab.surface}").stdout
+
+
+def _conflict_hunk(path: Path, context: int = 2) -> str:
+    """The first conflicted region of a file, with a little context, for the user."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    except OSError:
+        return "(conflicting file could not be read)"
+    start = next((i for i, l in enumerate(lines) if l.startswith("<<<<<<<")), None)
+    if start is None:
+        return "(git reported a conflict)"
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith(">>>>>>>")), start)
+    lo, hi = max(0, start - context), min(len(lines), end + context + 1)
+    return "\n".join(f"  {i + 1:4d} | {lines[i]}" for i in range(lo, hi))
