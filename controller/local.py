@@ -156,8 +156,12 @@ class LocalLab:
 
     # -- observing -----------------------------------------------------------------------------
     def backend_for(self, name: str):
+        if name not in self.backends and name == "hf":
+            from controller.backends.hf import HfBackend  # only labs that use it pay the import
+            self.backends["hf"] = HfBackend.from_lab(self.lab, self.root)
         if name not in self.backends:
-            raise SpecError(f"backend {name!r} is not configured on this machine")
+            raise SpecError(f"backend {name!r} is not available to the local loop; use local or "
+                            "hf here, kubernetes through the operator")
         return self.backends[name]
 
     def duplicate_of(self, name: str, c: Candidate) -> str | None:

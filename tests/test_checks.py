@@ -1,0 +1,182 @@
+"""The pre-run checks a user meets: one test per refusal kind, asserting the message they see."""
+
+from __future__ import annotations
+
+import difflib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from controller.core.spec import LabSpec
+from controller.labrepo import LabRepo
+
+SURFACE = '''"""A stand-in surface: the checks do not care what the program does."""
+LEARNING_RATE = 0.02  # peak learning rate
+WARMDOWN = 0.5  # fraction of the budget spent decaying
+
+
+def train():
+    return LEARNING_RATE * WARMDOWN
+
+
+if __name__ == "__main__":
+    print(train())
+'''
+
+
+def udiff(old: str, new: str, path: str = "train.py") -> str:
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                        f"a/{path}", f"b/{path}"))
+
+
+@pytest.fixture()
+def repo(tmp_path: Path) -> LabRepo:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "train.py").write_text(SURFACE)
+    (tmp_path / "bench" / "prepare.py").write_text("SEQ = 8\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q", "-b", "main"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "seed"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    r = LabRepo(tmp_path, LabSpec())
+    r.seed_master(head)
+    return r
+
+
+def spec(repo: LabRepo, diff: str, parent: str | None = None):
+    from controller.core.spec import ExperimentSpec
+    return ExperimentSpec(hypothesis="Try it.", parent=parent or repo.master().hash[:8], diff=diff)
+
+
+def refusal(repo, diff, parent=None):
+    c = repo.materialise("e1", spec(repo, diff, parent))
+    assert c.refusal, "expected the candidate to be refused"
+    assert not repo.has_worktree("e1"), "a refused candidate leaves no worktree"
+    return c
+
+
+def test_diff_naming_the_surface_by_file_name_or_lab_path_applies(repo):
+    new = SURFACE.replace("0.02", "0.03")
+    for path in ("train.py", "bench/train.py"):
+        c = repo.materialise("e1", spec(repo, udiff(SURFACE, new, path)))
+        assert c.refusal is None, c.message
+        assert repo.candidate_source("e1") == new
+        repo.cleanup("e1", keep_branch=False)
+
+
+def test_diff_touching_prepare_is_refused(repo):
+    c = refusal(repo, udiff("SEQ = 8\n", "SEQ = 9\n", "prepare.py"))
+    assert (c.refusal, c.reason) == ("Invalid", "DiffTouchesOtherFile")
+    assert str(c.message) == "diff touches prepare.py; only bench/train.py may change"
+
+
+def test_two_files_in_one_diff_are_refused(repo):
+    d = udiff(SURFACE, SURFACE.replace("0.02", "0.03")) + udiff("SEQ = 8\n", "SEQ = 9\n",
+                                                                 "bench/prepare.py")
+    assert refusal(repo, d).reason == "DiffTouchesOtherFile"
+
+
+def test_rename_new_deleted_binary_and_mode_changes_are_refused(repo):
+    cases = {
+        "DiffRenames": "diff --git a/train.py b/t2.py\nsimilarity index 90%\nrename from train.py\n"
+                       "rename to t2.py\n",
+        "DiffCreatesOrDeletes": "--- /dev/null\n+++ b/train.py\n@@ -0,0 +1 @@\n+x = 1\n",
+        "DiffBinary": "diff --git a/train.py b/train.py\nGIT binary patch\nliteral 3\nabc\n",
+        "DiffModeChange": "diff --git a/train.py b/train.py\nold mode 100644\nnew mode 100755\n",
+    }
+    for reason, d in cases.items():
+        c = refusal(repo, d)
+        assert c.reason == reason, (reason, c.message)
+    assert "new file mode" in refusal(repo, "diff --git a/train.py b/train.py\nnew file mode "
+                                            "100644\n").message
+
+
+def test_parent_directory_and_absolute_paths_are_refused(repo):
+    for path in ("../bench/train.py", "/etc/passwd"):
+        d = f"--- {path}\n+++ {path}\n@@ -1 +1 @@\n-a\n+b\n"
+        c = refusal(repo, d)
+        assert c.reason == "DiffUnsafePath"
+        assert "never absolute paths or '..'" in c.message
+
+
+def test_hunk_that_does_not_apply_names_the_place(repo):
+    d = udiff(SURFACE.replace("0.02", "0.05"), SURFACE.replace("0.02", "0.03"))
+    c = refusal(repo, d)
+    assert c.reason == "DiffDoesNotApply"
+    assert "does not apply to its parent" in c.message and "bench/train.py" in c.message
+
+
+def test_text_that_is_not_a_diff_is_refused(repo):
+    for text, expect in (("just some words\n", "no '--- a/train.py'"),
+                         ("--- a/train.py\n+++ b/train.py\n@@ -1,3 +1,3 @@\n-a\n", "truncated"),
+                         ("   \n", "diff is empty")):
+        assert expect in refusal(repo, text).message
+
+
+def test_candidate_that_does_not_compile_is_invalid(repo):
+    c = refusal(repo, udiff(SURFACE, SURFACE.replace("return LEARNING_RATE", "return (")))
+    assert c.reason == "CompileError"
+    assert c.message.startswith("candidate does not compile: bench/train.py line 7")
+
+
+def test_unknown_or_ambiguous_parent_is_refused(repo):
+    c = refusal(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03")), parent="deadbeef")
+    assert c.reason == "UnknownParent"
+    assert f"current master {repo.master().hash[:12]}" in c.message
+
+
+def test_stale_parent_rebases_cleanly_and_records_where_it_came_from(repo):
+    repo.set_master_metric(1.0)
+    seed = repo.master()
+    moved = SURFACE.replace("0.02", "0.03")
+    c = repo.materialise("winner", spec(repo, udiff(SURFACE, moved)))
+    repo.promote("winner", c.commit, 0.9, (c.candidate_hash, c.semantic_hash), seed.hash, "now")
+    assert repo.master().experiment == "winner"
+    # Written against the seed, touching other lines: rebases onto the new master.
+    d = udiff(SURFACE, SURFACE.replace("print(train())", "print(train(), flush=True)"))
+    c2 = repo.materialise("late", spec(repo, d, parent=seed.hash[:8]))
+    assert c2.refusal is None, c2.message
+    assert c2.rebased_from == seed.hash and c2.parent_hash == repo.master().hash
+    src = repo.candidate_source("late")
+    assert "LEARNING_RATE = 0.03" in src and "flush=True" in src
+    log = subprocess.run(["git", "log", "-1", "--format=%B", "autolab/exp/late"], cwd=repo.root,
+                         capture_output=True, text=True).stdout
+    assert "Autolab-Rebased-From: " + seed.hash in log and "Autolab-Experiment: late" in log
+
+
+def test_stale_parent_that_conflicts_shows_the_hunk(repo):
+    repo.set_master_metric(1.0)
+    seed = repo.master()
+    c = repo.materialise("winner", spec(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03"))))
+    repo.promote("winner", c.commit, 0.9, (c.candidate_hash, c.semantic_hash), seed.hash, "now")
+    d = udiff(SURFACE, SURFACE.replace("0.02", "0.01"))
+    c2 = refusal(repo, d, parent=seed.hash[:8])
+    assert (c2.refusal, c2.reason) == ("Conflict", "RebaseConflict")
+    assert "conflicts with the current master" in c2.message
+    assert "LEARNING_RATE = 0.03" in c2.message and "LEARNING_RATE = 0.01" in c2.message
+
+
+def test_comment_only_change_hashes_the_same_semantically(repo):
+    a = repo.materialise("a", spec(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03"))))
+    commented = SURFACE.replace("0.02  # peak learning rate", "0.03  # a higher peak, same idea")
+    b = repo.materialise("b", spec(repo, udiff(SURFACE, commented + "\n\n")))
+    assert a.candidate_hash != b.candidate_hash
+    assert a.semantic_hash == b.semantic_hash
+
+
+def test_promotion_is_compare_and_swap(repo):
+    seed = repo.master()
+    repo.set_master_metric(1.0)
+    c = repo.materialise("a", spec(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03"))))
+    d = repo.materialise("b", spec(repo, udiff(SURFACE, SURFACE.replace("0.5", "0.4"))))
+    first = repo.promote("a", c.commit, 0.90, (c.candidate_hash, c.semantic_hash), seed.hash, "t")
+    second = repo.promote("b", d.commit, 0.95, (d.candidate_hash, d.semantic_hash), seed.hash, "t")
+    assert first.promoted and not second.promoted
+    assert "promoted while this run was in flight" in second.message
+    assert repo.master().experiment == "a" and repo.master().val_bpb == 0.90
+    again = repo.promote("a", c.commit, 0.90, (c.candidate_hash, c.semantic_hash), seed.hash, "t")
+    assert again.promoted, "promoting the master again is a no-op that reports success"
+    assert len(repo.master_doc()["history"]) == 2

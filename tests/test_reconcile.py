@@ -1,0 +1,169 @@
+"""Every phase transition of `reconcile()`, as a table of worlds and the decision expected."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
+                                       allocate_slots, beats, reconcile, reconcile_baseline)
+from controller.core.spec import ExperimentSpec, LabSpec
+
+NOW = "2026-11-29T10:00:00Z"
+LAB = LabSpec(profile="tiny")
+MASTER = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=1.0)
+UNMEASURED = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=None)
+SPEC = ExperimentSpec(hypothesis="Shorter warmdown", parent="aaaa", diff="--- a/train.py")
+GOOD = Candidate(candidate_hash="d" * 40, semantic_hash="e" * 40, parent_hash="a" * 40,
+                 commit="f" * 40)
+JOB = {"backend": "local", "name": "exp-e-1", "slot": "0"}
+
+
+def ok(val):
+    return RunObservation("exp-e-1", "succeeded", result={"status": "succeeded",
+                                                          "metrics": {"val_bpb": val}})
+
+
+def st(phase, **kw):
+    return {"phase": phase, "conditions": [], **kw}
+
+
+# (id, world overrides, expected phase, expected outcome, expected intent kinds)
+TABLE = [
+    ("new spec asks for the checks", {}, "Pending", None, ["materialise"]),
+    ("bad spec is Invalid and recorded", dict(spec=None, spec_error="f.yaml: spec.diff: must not be empty"),
+     "Invalid", None, ["record"]),
+    ("refused diff is Invalid", dict(status=st("Pending"), candidate=Candidate(
+        refusal="Invalid", reason="DiffTouchesOtherFile", message="diff touches prepare.py")),
+     "Invalid", None, ["record"]),
+    ("rebase conflict is Conflict", dict(status=st("Pending"), candidate=Candidate(
+        refusal="Conflict", reason="RebaseConflict", message="conflict")),
+     "Conflict", None, ["record"]),
+    ("repeat is Duplicate, no run", dict(status=st("Pending"), candidate=GOOD, duplicate_of="e0",
+                                         slot="0"), "Duplicate", None, ["record"]),
+    ("checked candidate with a slot is submitted", dict(status=st("Pending"), candidate=GOOD,
+                                                        slot="0"), "Queued", None, ["submit"]),
+    ("checked candidate without a slot waits", dict(status=st("Pending"), candidate=GOOD),
+     "Queued", None, []),
+    ("nothing runs before the master's baseline", dict(status=st("Queued"), slot="0",
+                                                       master=UNMEASURED), "Queued", None, []),
+    ("submitted run that vanished is submitted again (adopt)", dict(status=st("Queued", job=JOB),
+                                                                    run=RunObservation("exp-e-1", "missing")),
+     "Queued", None, ["submit"]),
+    ("queued backend run stays Queued", dict(status=st("Queued", job=JOB),
+                                             run=RunObservation("exp-e-1", "queued")), "Queued", None, []),
+    ("started run is Running", dict(status=st("Queued", job=JOB),
+                                    run=RunObservation("exp-e-1", "running")), "Running", None, []),
+    ("better result asks to promote", dict(status=st("Running", job=JOB), run=ok(0.9)),
+     "Running", None, ["promote"]),
+    ("promotion done: Succeeded Promoted", dict(status=st("Running", job=JOB), run=ok(0.9),
+                                                promotion=PromotionResult(True, 1.0)),
+     "Succeeded", "Promoted", ["record"]),
+    ("lost the CAS: Succeeded Rejected", dict(status=st("Running", job=JOB), run=ok(0.9),
+                                              promotion=PromotionResult(False, 0.8, "moved")),
+     "Succeeded", "Rejected", ["record"]),
+    ("worse result: Succeeded Rejected", dict(status=st("Running", job=JOB), run=ok(1.1)),
+     "Succeeded", "Rejected", ["record"]),
+    ("equal result is not an improvement", dict(status=st("Running", job=JOB), run=ok(1.0)),
+     "Succeeded", "Rejected", ["record"]),
+    ("candidate failure: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
+        "exp-e-1", "failed", result={"status": "failed", "reason": "loss is NaN"})),
+     "Failed", None, ["record"]),
+    ("infrastructure error: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
+        "exp-e-1", "error", result={"status": "error", "reason": "no data"})),
+     "Failed", None, ["record"]),
+    ("lost run: Failed", dict(status=st("Running", job=JOB), run=RunObservation("exp-e-1", "lost")),
+     "Failed", None, ["record"]),
+    ("succeeded without a metric: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
+        "exp-e-1", "succeeded", result={"metrics": {"val_bpb": float("nan")}})),
+     "Failed", None, ["record"]),
+    ("deleted while queued: Cancelled", dict(status=st("Queued"), deleting=True),
+     "Cancelled", None, ["record"]),
+    ("deleted while running: cancel the run", dict(status=st("Running", job=JOB), deleting=True,
+                                                   run=RunObservation("exp-e-1", "running")),
+     "Running", None, ["cancel"]),
+    ("run cancelled: Cancelled", dict(status=st("Running", job=JOB), deleting=True,
+                                      run=RunObservation("exp-e-1", "cancelled")),
+     "Cancelled", None, ["record"]),
+    ("terminal and recorded: cleanup only", dict(status=st("Succeeded", outcome="Rejected", job=JOB),
+                                                 recorded=True, worktree=True),
+     "Succeeded", "Rejected", ["cleanup"]),
+    ("terminal, recorded, clean: nothing", dict(status=st("Failed", job=JOB), recorded=True),
+     "Failed", None, []),
+]
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_phase_transitions(case):
+    _, overrides, phase, outcome, kinds = case
+    world = dict(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW)
+    world.update(overrides)
+    d = reconcile(World(**world))
+    assert d.status["phase"] == phase
+    assert d.status.get("outcome") == outcome
+    assert d.kinds() == kinds
+
+
+def test_reconcile_is_pure_and_idempotent():
+    w = World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW, status=st("Running", job=JOB),
+              run=ok(0.9), promotion=PromotionResult(True, 1.0))
+    a, b = reconcile(w), reconcile(w)
+    assert a.status == b.status and a.intents == b.intents
+    again = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW, status=a.status,
+                            recorded=True))
+    assert again.intents == [] and again.events == []
+
+
+def test_status_carries_hashes_rebase_and_delta():
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW, status=st("Pending"),
+                        candidate=Candidate(candidate_hash="d" * 40, semantic_hash="e" * 40,
+                                            parent_hash="a" * 40, rebased_from="9" * 40,
+                                            commit="f" * 40)))
+    assert d.status["candidateHash"] == "d" * 40 and d.status["rebasedFrom"] == "9" * 40
+    assert "rebased cleanly" in d.status["conditions"][0]["message"]
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW,
+                        status=st("Running", job=JOB), run=ok(1.25)))
+    assert d.status["delta"] == pytest.approx(0.25)
+    assert d.status["metrics"]["val_bpb"] == 1.25
+
+
+def test_duplicate_message_names_the_original():
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW, status=st("Pending"),
+                        candidate=GOOD, duplicate_of="warmdown-075"))
+    assert d.status["duplicateOf"] == "warmdown-075"
+    assert "same program as warmdown-075" in d.status["message"]
+    row = d.intents[0].args["row"]
+    assert row["status"] == "duplicate" and row["duplicate_of"] == "warmdown-075"
+
+
+def test_min_delta_margin():
+    lab = LabSpec(min_delta=0.01)
+    assert not beats(0.995, 1.0, 0.01) and beats(0.98, 1.0, 0.01)
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW,
+                        status=st("Running", job=JOB), run=ok(0.995)))
+    assert d.status["outcome"] == "Rejected"
+    assert "by more than 0.01" in d.status["message"]
+
+
+def test_spec_edit_after_checks_is_ignored_not_rerun():
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW, generation=2,
+                        status=st("Running", job=JOB, specGeneration=1),
+                        run=RunObservation("exp-e-1", "running")))
+    cond = {c["type"]: c for c in d.status["conditions"]}
+    assert cond["SpecChangeIgnored"]["status"] == "True"
+    assert d.kinds() == []
+
+
+def test_baseline_runs_once_then_sets_the_master_metric():
+    assert [i.kind for i in reconcile_baseline(UNMEASURED, None, "0", False)] == ["submit"]
+    assert reconcile_baseline(UNMEASURED, None, None, False) == []
+    assert reconcile_baseline(UNMEASURED, RunObservation("b", "running"), "0", False) == []
+    done = reconcile_baseline(UNMEASURED, RunObservation("b", "succeeded", result={
+        "metrics": {"val_bpb": 1.5}}), "0", False)
+    assert [i.kind for i in done] == ["record", "set-master-metric"]
+    assert reconcile_baseline(MASTER, None, "0", False) == []
+
+
+def test_slots_go_by_priority_then_first_come():
+    queued = [("a", 0, "t1"), ("b", 5, "t3"), ("c", 0, "t0"), ("d", 0, "t2")]
+    assert allocate_slots(queued, busy={"1"}, slots=["0", "1", "2"]) == {"b": "0", "c": "2"}
+    assert allocate_slots(queued, busy={"0", "1"}, slots=["0", "1"]) == {}
