@@ -244,4 +244,6 @@ def _conflict_hunk(path: Path, context: int = 2) -> str:
         return "(git reported a conflict)"
     end = next((i for i in range(start, len(lines)) if lines[i].startswith(">>>>>>>")), start)
     lo, hi = max(0, start - context), min(len(lines), end + context + 1)
-    return "\n".join(f"  {i + 1:4d} | {lines[i]}" for i in range(lo, hi))
+    # git labels the sides with commit ids that differ on every attempt; name them instead.
+    label = {start: "<<<<<<< current master", end: ">>>>>>> this experiment"}
+    return "\n".join(f"  {i + 1:4d} | {label.get(i, lines[i])}" for i in range(lo, hi))

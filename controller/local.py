@@ -39,6 +39,8 @@ from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Ev
 from controller.core.spec import ExperimentSpec, LabSpec, SpecError, validate_document
 from controller.labrepo import LabRepo, atomic_write
 from controller.ledger import Ledger
+from controller.memory import memory_hook
+from controller.tracking import tracking_hook
 
 LAB_FILE = "lab.yaml"
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -98,7 +100,9 @@ class LocalLab:
         self.repo = LabRepo(self.root, self.lab)
         self.ledger = Ledger(self.root / "research" / "results.tsv")
         self.backends: dict = {"local": LocalBackend(self.root)}
-        self.hooks: list[Callable[["LocalLab", str, dict, dict], None]] = []
+        # Called after a ledger row is written: the research notes, then Trackio.
+        self.hooks: list[Callable[["LocalLab", str, dict, dict], None]] = [memory_hook,
+                                                                          tracking_hook]
         self._inflight: dict[str, str] = {}
 
     # -- files ---------------------------------------------------------------------------------
@@ -296,7 +300,8 @@ class LocalLab:
         if m.val_bpb is not None:
             return None
         name = baseline_run_name(m)
-        backend = self.backends["local"]
+        # A lab that runs on Hugging Face measures its master there too (a laptop has no GPU).
+        backend = self.backend_for("hf") if self.lab.backend == "hf" else self.backends["local"]
         obs = backend.observe(name)
         slot = free[0] if free else None
         for intent in reconcile_baseline(m, obs, slot, self.ledger.has_run(name)):

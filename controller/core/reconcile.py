@@ -426,8 +426,8 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
            "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
            "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
            "comment": "" if ok else ((run.result or {}).get("reason") or run.message)}
-    for k in SUMMARY_KEYS:
-        if k in ((run.result or {}).get("metrics") or {}):
+    for k in ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
+        if k in ((run.result or {}).get("metrics") or {}):  # the ledger's metric columns
             row[k] = str(run.result["metrics"][k])
     out = [] if recorded else [Intent("record", {"row": row})]
     if ok:

@@ -1,0 +1,242 @@
+"""The entry point of a Hugging Face job: run the harness, hand back a result nobody can forge.
+
+A Hugging Face job has no copy of the lab. The controller ships this file,
+the fixed harness (`prepare.py`, `run.py`, `evaluate.py`, ...) and the
+candidate `train.py` as a gzipped tarball in the job's environment; a few
+lines of bootstrap in the job's command unpack it and exec this file:
+
+    python3 hf_entry.py run --run NAME --profile P --source S [--budget S]
+                            [--data-mount DIR] [--with REQUIREMENT ...]
+    python3 hf_entry.py prepare --profile P --source S --data-mount DIR [--with ...]
+
+`run` measures one candidate. The only thing the controller believes is one
+log line, `AUTOLAB_SIGNED_RESULT v1 <payload> <hmac>`: the harness's compact
+result JSON and the run's name, signed with HMAC-SHA256 under a key the
+controller drew for this run and passed as the job secret
+`AUTOLAB_RESULT_KEY`. The candidate prints to the same log, so keeping the
+key away from it is the whole point:
+
+1. Stage one (this process, as started) takes the key out of its
+   environment, installs whatever the image lacks with secrets scrubbed from
+   the installer's environment, writes the key into a pipe, and re-execs
+   itself with an environment that holds neither the key nor `HF_TOKEN`.
+   After exec, `/proc/<pid>/environ` shows the new environment: a candidate
+   reading its parent's environ finds nothing. The job's command execs
+   straight into Python (no shell, no `uv run` wrapper left as an ancestor
+   holding the original environment).
+2. Stage two reads the key from the pipe, closes it and marks itself
+   non-dumpable (`PR_SET_DUMPABLE` 0), so without CAP_SYS_PTRACE (not granted
+   to containers by default) no other process can read its memory or its
+   /proc files. It then calls the harness in-process
+   (`run.run_candidate`), which runs the candidate as a child in a fresh
+   directory; the result comes back as a Python object, never through a
+   file the candidate could overwrite, and is signed and printed here.
+
+The prepared data comes from the lab's bucket, mounted read-only at
+`--data-mount`: a candidate cannot poison the cache the next runs measure
+on. The harness wants a writable cache root (lock files, the compile
+cache), so stage two builds one in a temporary directory whose `data/`
+entries are symlinks to the bucket's prepared directories. With no prepared
+data on the bucket, the harness prepares it inside the job (slower; run
+`autolab hf prepare` once instead).
+
+`prepare` fills the bucket (mounted read-write) with `prepare.py --source S`;
+only the fixed harness runs there, so it may see `HF_TOKEN` for downloads.
+
+Exit codes follow run.py: 0 succeeded, 3 the candidate failed, 4 an
+infrastructure error (including this entry point's own failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import ctypes
+import hashlib
+import hmac
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+KEY_ENV = "AUTOLAB_RESULT_KEY"
+SIGNED_MARKER = "AUTOLAB_SIGNED_RESULT"
+SIGNATURE_VERSION = "v1"
+# Never handed to the candidate, the installer or the harness of a run.
+SECRET_ENV = (KEY_ENV, "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AUTOLAB_BUNDLE")
+EXIT_HARNESS_ERROR = 4
+PR_SET_DUMPABLE = 4
+
+
+# --- the signed result line (the controller verifies it: controller/backends/hf.py) ----------
+
+def sign_result(key: bytes, run: str, compact_result: str) -> str:
+    """The one log line the controller believes: run name + result, HMAC-SHA256 under key."""
+    payload = json.dumps({"run": run, "result": json.loads(compact_result)},
+                         separators=(",", ":"), sort_keys=True)
+    b64 = base64.urlsafe_b64encode(payload.encode()).decode()
+    mac = hmac.new(key, f"{SIGNATURE_VERSION} {b64}".encode(), hashlib.sha256).hexdigest()
+    return f"{SIGNED_MARKER} {SIGNATURE_VERSION} {b64} {mac}"
+
+
+# --- stage one: secrets out of the environment, dependencies in ------------------------------
+
+def _log(text: str) -> None:
+    print(f"[hf] {text}", flush=True)
+
+
+def _scrubbed_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+
+
+def _module_of(requirement: str) -> str:
+    name = re.split(r"[<>=!~\[;@ ]", requirement.strip(), maxsplit=1)[0]
+    return name.replace("-", "_").lower()
+
+
+def install_missing(requirements: list[str]) -> None:
+    """Install the requirements whose module the image lacks (none: nothing is downloaded)."""
+    missing = [r for r in requirements if importlib.util.find_spec(_module_of(r)) is None]
+    if not missing:
+        return
+    if shutil.which("uv"):
+        cmd = ["uv", "pip", "install", "--system", "--break-system-packages",
+               "--python", sys.executable, *missing]
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-input", *missing]
+    _log(f"installing {' '.join(missing)}")
+    rc = subprocess.run(cmd, env=_scrubbed_env(), stdin=subprocess.DEVNULL).returncode
+    if rc != 0:
+        _log(f"installing the dependencies failed (exit code {rc}); check the image and the "
+             "requirements")
+        sys.exit(EXIT_HARNESS_ERROR)
+
+
+def stage_one(args: argparse.Namespace, argv: list[str]) -> None:
+    key = os.environ.pop(KEY_ENV, "")
+    if not key:
+        _log(f"the job has no {KEY_ENV} secret; the controller cannot trust any result of it")
+        sys.exit(EXIT_HARNESS_ERROR)
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
+    install_missing(args.requirements)
+    read_end, write_end = os.pipe()
+    os.write(write_end, key.encode())
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    # exec, not spawn: this pid's environ is replaced, and no ancestor keeps the key.
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv,
+                               "--key-fd", str(read_end)], _scrubbed_env())
+
+
+# --- stage two: the measured run ----------------------------------------------------------------
+
+def _no_dumping() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the re-exec still keeps the key off environ
+        pass
+
+
+def _read_key(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def cache_overlay(data_mount: str | None) -> Path:
+    """A writable cache root whose data/ entries point at the bucket's prepared directories."""
+    root = Path(tempfile.mkdtemp(prefix="autolab-cache-"))
+    (root / "data").mkdir()
+    prepared = Path(data_mount) / "data" if data_mount else None
+    found = []
+    if prepared is not None and prepared.is_dir():
+        for entry in sorted(prepared.iterdir()):
+            if entry.is_dir() and not entry.name.startswith("."):
+                (root / "data" / entry.name).symlink_to(entry, target_is_directory=True)
+                found.append(entry.name)
+    if found:
+        _log(f"prepared data from the bucket (read-only): {', '.join(found)}")
+    else:
+        _log("no prepared data on the bucket; the harness prepares it inside this job (run "
+             "`autolab hf prepare` once so runs do not pay for it)")
+    return root
+
+
+def _load_harness(profile: str):
+    os.environ["AUTOLAB_BENCH_PROFILE"] = profile  # prepare.py reads it at import
+    sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location("autolab_run_harness", BENCH_DIR / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stage_two(args: argparse.Namespace) -> int:
+    _no_dumping()
+    key = _read_key(args.key_fd)
+    if not key:
+        _log("the result key did not reach the measuring process")
+        return EXIT_HARNESS_ERROR
+    os.environ["AUTOLAB_CACHE"] = str(cache_overlay(args.data_mount))
+    harness = _load_harness(args.profile)
+    out = Path(tempfile.mkdtemp(prefix="autolab-result-"))
+    result = harness.run_candidate(BENCH_DIR / "train.py", out / "result.json", source=args.source,
+                                   budget=args.budget, termination_log="")
+    print(sign_result(key, args.run, harness.compact(result)), flush=True)
+    return harness.EXIT_CODES.get(result.get("status"), EXIT_HARNESS_ERROR)
+
+
+# --- prepare: fill the bucket ------------------------------------------------------------------
+
+def prepare_mode(args: argparse.Namespace) -> int:
+    if not args.data_mount:
+        _log("prepare needs --data-mount (the lab's bucket, mounted read-write)")
+        return EXIT_HARNESS_ERROR
+    os.environ.pop(KEY_ENV, None)
+    os.environ.pop("AUTOLAB_BUNDLE", None)
+    install_missing(args.requirements)
+    env = dict(os.environ, AUTOLAB_CACHE=args.data_mount, AUTOLAB_BENCH_PROFILE=args.profile,
+               PYTHONUNBUFFERED="1")
+    _log(f"preparing {args.source} for the {args.profile} profile into {args.data_mount}")
+    return subprocess.run([sys.executable, str(BENCH_DIR / "prepare.py"), "--source", args.source],
+                          env=env, stdin=subprocess.DEVNULL).returncode
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["run", "prepare"])
+    p.add_argument("--run", default="", help="the run's name (signed into the result)")
+    p.add_argument("--profile", default="default")
+    p.add_argument("--source", default="hub")
+    p.add_argument("--budget", type=float, default=None)
+    p.add_argument("--data-mount", default=None, help="where the lab's bucket is mounted")
+    p.add_argument("--with", dest="requirements", action="append", default=[],
+                   help="a requirement the job needs; installed only if the image lacks it")
+    p.add_argument("--key-fd", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.mode == "prepare":
+        return prepare_mode(args)
+    if args.key_fd is None:
+        stage_one(args, argv)  # does not return
+    return stage_two(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""What a lab keeps in a Kubernetes cluster: the API it talks through, the master of record, slots.
+
+Three pieces the operator builds on, each small enough to read in one go:
+
+- `Kube`: the few calls the operator makes, through the official `kubernetes`
+  client, answering plain dicts (the objects as the API server sent them), so
+  nothing here depends on the client's generated models. Writes are merge
+  patches; a 404 on a read is `None`, every other error is the client's
+  `ApiException`.
+
+- `MasterStore`: the ConfigMap `<lab>-master`, the master of record in a
+  cluster. It holds `train.py` (the promoted surface), `master.json` (hash,
+  semanticHash, commit, val_bpb, experiment, parent, promotedAt) and
+  `promotions.json` (the last promotions, newest last). A promotion is a merge
+  patch that names the `resourceVersion` it read: if another writer got there
+  first the API server answers 409, and the store reads again and compares
+  again (`beats`), so two winners finishing together never overwrite each other.
+  The operator's lab repo follows it (`sync_repo_master`), never the other way.
+
+- `SlotBook`: which runs hold the Lab's GPU slots and who waits for one, kept
+  in memory by the one active operator, seeded from the Experiments' statuses
+  when a lab is first seen, and handed out with the core's `allocate_slots`
+  (priority first, then first come). A Lab without `capacity.gpuSlots` leaves
+  queueing to the cluster (its scheduler or Kueue) and grants every request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from controller.core.hashing import candidate_hash, semantic_hash
+from controller.core.reconcile import ACTIVE, Master, PromotionResult, allocate_slots, beats
+from controller.core.spec import GROUP, VERSION
+from controller.labrepo import MASTER_BRANCH, LabRepo, atomic_write
+
+MERGE_PATCH = "application/merge-patch+json"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_LAB = f"{GROUP}/lab"
+LABEL_EXPERIMENT = f"{GROUP}/experiment"
+LABEL_RUN = f"{GROUP}/run"
+LABEL_BASELINE = f"{GROUP}/baseline"
+LABEL_CAMPAIGN = f"{GROUP}/campaign"
+OURS = {MANAGED_BY: "autolab"}
+MASTER_KEYS = ("hash", "semanticHash", "commit", "val_bpb", "experiment", "parent", "promotedAt")
+PROMOTIONS_KEPT = 20
+CAS_ATTEMPTS = 20
+
+
+class ClusterError(RuntimeError):
+    """Something in the cluster is not as the operator needs it; the message says what to do."""
+
+
+def _load(resp: Any) -> dict:
+    return json.loads(resp.data)
+
+
+class Kube:
+    """The operator's calls to the API server, answering dicts."""
+
+    def __init__(self, api: k8s.ApiClient):
+        self.api = api
+        self.core = k8s.CoreV1Api(api)
+        self.batch = k8s.BatchV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+
+    # -- our resources ---------------------------------------------------------------------------
+    def get_custom(self, namespace: str, plural: str, name: str) -> dict | None:
+        try:
+            return _load(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, plural, name, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_custom(self, namespace: str, plural: str) -> list[dict]:
+        return _load(self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, plural, _preload_content=False)).get("items") or []
+
+    def patch_status(self, namespace: str, plural: str, name: str, status: dict) -> dict | None:
+        try:
+            return _load(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, plural, name, {"status": status},
+                _content_type=MERGE_PATCH, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:  # deleted meanwhile: nothing left to describe
+                return None
+            raise
+
+    # -- config maps -----------------------------------------------------------------------------
+    def get_configmap(self, namespace: str, name: str) -> dict | None:
+        try:
+            return _load(self.core.read_namespaced_config_map(name, namespace,
+                                                              _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_configmap(self, namespace: str, body: dict) -> dict:
+        return _load(self.core.create_namespaced_config_map(namespace, body,
+                                                            _preload_content=False))
+
+    def patch_configmap(self, namespace: str, name: str, body: dict) -> dict:
+        return _load(self.core.patch_namespaced_config_map(
+            name, namespace, body, _content_type=MERGE_PATCH, _preload_content=False))
+
+    def delete_configmap(self, namespace: str, name: str) -> bool:
+        try:
+            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    # -- jobs and pods ---------------------------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> dict | None:
+        try:
+            return _load(self.batch.read_namespaced_job(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_job(self, namespace: str, body: dict) -> dict:
+        return _load(self.batch.create_namespaced_job(namespace, body, _preload_content=False))
+
+    def delete_job(self, namespace: str, name: str) -> bool:
+        try:
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
+                                             _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        items = _load(self.core.list_namespaced_pod(namespace, label_selector=selector,
+                                                    _preload_content=False)).get("items") or []
+        return [p for p in items  # the selector again, for API servers that ignore it
+                if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v
+                       for k, v in labels.items())]
+
+    def pod_log_tail(self, namespace: str, name: str, container: str,
+                     limit_bytes: int = 16384) -> str:
+        try:
+            resp = self.core.read_namespaced_pod_log(name, namespace, container=container,
+                                                     limit_bytes=limit_bytes,
+                                                     _preload_content=False)
+        except ApiException as e:
+            if e.status in (400, 404):  # no such pod, or its container never started
+                return ""
+            raise
+        return resp.data.decode("utf-8", errors="replace")
+
+
+def owner_reference(obj: dict) -> dict:
+    """An ownerReference to `obj`, so deleting it lets the cluster collect what it owns."""
+    meta = obj["metadata"]
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+# --- the master of record -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MasterRecord:
+    """The master ConfigMap as read: its master.json, the source, the promotions, the version."""
+
+    doc: dict
+    source: str
+    promotions: list[dict]
+    resource_version: str
+
+    def master(self) -> Master:
+        d = self.doc
+        return Master(hash=d["hash"], semantic_hash=d["semanticHash"], commit=d.get("commit", ""),
+                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"))
+
+
+class MasterStore:
+    """The ConfigMap `<lab>-master`: read it, create it, promote onto it with compare-and-swap."""
+
+    def __init__(self, kube: Kube, namespace: str, lab: str, surface_name: str = "train.py"):
+        self.kube = kube
+        self.namespace = namespace
+        self.lab = lab
+        self.name = f"{lab}-master"
+        self.surface_name = surface_name
+
+    def read(self) -> MasterRecord | None:
+        cm = self.kube.get_configmap(self.namespace, self.name)
+        if cm is None:
+            return None
+        data = cm.get("data") or {}
+        try:
+            doc = json.loads(data["master.json"])
+            source = data[self.surface_name]
+        except (KeyError, ValueError) as e:
+            raise ClusterError(f"ConfigMap {self.namespace}/{self.name} is not a master "
+                               f"(data.master.json and data.{self.surface_name} are needed: {e}); "
+                               "delete it and the operator writes it again from the lab "
+                               "repo") from None
+        return MasterRecord(doc=doc, source=source,
+                            promotions=json.loads(data.get("promotions.json") or "[]"),
+                            resource_version=cm["metadata"].get("resourceVersion", ""))
+
+    def require(self) -> MasterRecord:
+        rec = self.read()
+        if rec is None:
+            raise ClusterError(f"the master ConfigMap {self.namespace}/{self.name} is missing; "
+                               "the operator creates it when it sees the Lab")
+        return rec
+
+    def ensure(self, repo: LabRepo) -> MasterRecord:
+        """The ConfigMap, created from the lab repo's master when the cluster has none yet."""
+        rec = self.read()
+        if rec is not None:
+            return rec
+        local = repo.master_doc()
+        doc = {k: local.get(k) for k in MASTER_KEYS}
+        body = {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": self.name, "namespace": self.namespace,
+                             "labels": {**OURS, LABEL_LAB: self.lab}},
+                "data": {self.surface_name: repo.master_source(),
+                         "master.json": json.dumps(doc, indent=1),
+                         "promotions.json": "[]"}}
+        try:
+            self.kube.create_configmap(self.namespace, body)
+        except ApiException as e:
+            if e.status != 409:  # 409: someone else wrote it first; theirs stands
+                raise
+        return self.require()
+
+    def _cas(self, rec: MasterRecord, data: dict) -> bool:
+        """Write `data` if the ConfigMap is still at `rec`'s version; False if it moved on."""
+        try:
+            self.kube.patch_configmap(self.namespace, self.name, {
+                "metadata": {"resourceVersion": rec.resource_version}, "data": data})
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    def promote(self, experiment: str, source: str, commit: str, val_bpb: float,
+                parent: str, min_delta: float, now: str) -> PromotionResult:
+        """Make `source` the master if `val_bpb` still beats it; safe against concurrent winners."""
+        for _ in range(CAS_ATTEMPTS):
+            rec = self.require()
+            d = rec.doc
+            if d.get("experiment") == experiment:
+                prev = next((p.get("previous", {}).get("val_bpb") for p in rec.promotions
+                             if p.get("experiment") == experiment), None)
+                return PromotionResult(True, prev)
+            if not beats(val_bpb, d.get("val_bpb"), min_delta):
+                return PromotionResult(False, d.get("val_bpb"),
+                                       f"val_bpb {val_bpb:.6f} did not beat the master "
+                                       f"{d['hash'][:12]} ({d.get('experiment') or 'seed'}, "
+                                       f"{d.get('val_bpb')}), which was promoted while this run "
+                                       "was in flight.")
+            entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),
+                     "commit": commit, "val_bpb": val_bpb, "experiment": experiment,
+                     "parent": parent, "promotedAt": now}
+            promotion = {"experiment": experiment, "hash": entry["hash"], "val_bpb": val_bpb,
+                         "promotedAt": now,
+                         "previous": {"hash": d["hash"], "val_bpb": d.get("val_bpb"),
+                                      "experiment": d.get("experiment")}}
+            data = {self.surface_name: source, "master.json": json.dumps(entry, indent=1),
+                    "promotions.json": json.dumps((rec.promotions + [promotion])[-PROMOTIONS_KEPT:],
+                                                  indent=1)}
+            if self._cas(rec, data):
+                return PromotionResult(True, d.get("val_bpb"))
+        raise ClusterError(f"could not promote {experiment}: the master ConfigMap "
+                           f"{self.namespace}/{self.name} changed {CAS_ATTEMPTS} times while "
+                           "promoting; the next pass tries again")
+
+    def set_metric(self, master_hash: str, val_bpb: float) -> bool:
+        """Record the baseline metric of the master `master_hash`, if it is still the master."""
+        for _ in range(CAS_ATTEMPTS):
+            rec = self.require()
+            if rec.doc["hash"] != master_hash or rec.doc.get("val_bpb") is not None:
+                return False
+            doc = dict(rec.doc, val_bpb=val_bpb)
+            if self._cas(rec, {"master.json": json.dumps(doc, indent=1)}):
+                return True
+        raise ClusterError(f"could not record the baseline of {master_hash[:12]}: the master "
+                           "ConfigMap kept changing")
+
+
+def sync_repo_master(repo: LabRepo, rec: MasterRecord) -> bool:
+    """Bring the lab repo's master (branch and master.json) in step with the ConfigMap.
+
+    The ConfigMap is the master of record. Its commit is normally one of this
+    repo's (the operator materialised it); when it is not (a fresh volume), the
+    ConfigMap's source is committed onto the repo's master so the checks of new
+    experiments run against the right file. Returns True if anything changed.
+    """
+    d = rec.doc
+    local = repo.master_doc()
+    if local["hash"] == d["hash"]:
+        if local.get("val_bpb") is None and d.get("val_bpb") is not None:
+            repo.set_master_metric(d["val_bpb"])
+            return True
+        return False
+    commit = d.get("commit") or ""
+    if not commit or not _has_surface(repo, commit, d["hash"]):
+        commit = _commit_source(repo, local["commit"], rec.source,
+                                f"Adopt master {d['hash'][:12]} from the master ConfigMap")
+    entry = {k: d.get(k) for k in MASTER_KEYS}
+    entry["commit"] = commit
+    with repo._master_lock:  # the repo's own lock, shared with its promote()
+        current = repo.master_doc()
+        history = [h for h in current.get("history", []) if h["hash"] != d["hash"]]
+        repo.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
+        atomic_write(repo.master_file, json.dumps({**entry, "history": history + [dict(entry)]},
+                                                  indent=2) + "\n")
+    return True
+
+
+def _has_surface(repo: LabRepo, commit: str, want_hash: str) -> bool:
+    shown = repo.git("show", f"{commit}:{repo.lab.surface}", check=False)
+    return shown.returncode == 0 and candidate_hash(shown.stdout) == want_hash
+
+
+def _commit_source(repo: LabRepo, base: str, source: str, message: str) -> str:
+    wt = repo.state / "worktrees" / ".adopt-master"
+    repo.git("worktree", "remove", "--force", str(wt), check=False)
+    wt.parent.mkdir(parents=True, exist_ok=True)
+    repo.git("worktree", "add", "--quiet", "--detach", str(wt), base)
+    try:
+        (wt / repo.lab.surface).write_text(source, encoding="utf-8")
+        repo.git("commit", "--quiet", "--allow-empty", "-a", "-m", message, cwd=wt)
+        return repo.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
+    finally:
+        repo.git("worktree", "remove", "--force", str(wt), check=False)
+
+
+# --- slots ----------------------------------------------------------------------------------------
+
+class SlotBook:
+    """GPU slots of one Lab: who holds one, who waits, and which candidates are in flight."""
+
+    def __init__(self, slots: int = 0):
+        self.slots = [f"slot-{i}" for i in range(slots)] if slots > 0 else None
+        self.held: dict[str, str] = {}       # slot -> holder (experiment or baseline run)
+        self.waiting: dict[str, tuple[int, str]] = {}  # experiment -> (priority, queuedAt)
+        self.inflight: dict[str, str] = {}   # candidate or semantic hash -> experiment
+        self.running: set[str] = set()       # experiments and baselines with a run in flight
+        self._lock = threading.Lock()
+
+    def resize(self, slots: int) -> None:
+        with self._lock:
+            self.slots = [f"slot-{i}" for i in range(slots)] if slots > 0 else None
+
+    def observe(self, name: str, status: dict, priority: int = 0) -> None:
+        """Take in one Experiment's status as last written."""
+        phase = status.get("phase")
+        job = status.get("job") or {}
+        with self._lock:
+            self._release(name)
+            for h in [h for h, who in self.inflight.items() if who == name]:
+                del self.inflight[h]
+            self.waiting.pop(name, None)
+            if phase not in ACTIVE:
+                return
+            for h in (status.get("candidateHash"), status.get("semanticHash")):
+                if h:
+                    self.inflight.setdefault(h, name)
+            if job:
+                self.running.add(name)
+                if self.slots is not None and job.get("slot") in self.slots:
+                    self.held[job["slot"]] = name
+            elif phase == "Queued":
+                self.waiting[name] = (priority, status.get("queuedAt") or "")
+
+    def claim(self, name: str, hashes: tuple[str | None, ...]) -> str | None:
+        """Mark a checked candidate in flight; returns who already has it, if anyone."""
+        with self._lock:
+            for h in hashes:
+                other = self.inflight.get(h or "")
+                if other and other != name:
+                    return other
+            for h in hashes:
+                if h:
+                    self.inflight[h] = name
+            return None
+
+    def grant(self, name: str, priority: int, queued_at: str) -> str | None:
+        """A slot for `name` if it is next in line, reserved until `observe` or `release`."""
+        with self._lock:
+            if self.slots is None:
+                return "cluster"
+            for slot, who in self.held.items():
+                if who == name:
+                    return slot
+            self.waiting[name] = (priority, queued_at)
+            queued = [(n, p, q) for n, (p, q) in self.waiting.items()]
+            slot = allocate_slots(queued, set(self.held), self.slots).get(name)
+            if slot is not None:
+                self.held[slot] = name
+                self.waiting.pop(name, None)
+            return slot
+
+    def hold(self, name: str, slot: str | None = None) -> str | None:
+        """A slot for a run outside the queue (the baseline): any free one, or the one it has."""
+        with self._lock:
+            self.running.add(name)
+            if self.slots is None:
+                return "cluster"
+            for s, who in self.held.items():
+                if who == name:
+                    return s
+            free = [s for s in self.slots if s not in self.held]
+            if slot in free:
+                free = [slot]
+            if not free:
+                self.running.discard(name)
+                return None
+            self.held[free[0]] = name
+            return free[0]
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._release(name)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._release(name)
+            self.waiting.pop(name, None)
+            for h in [h for h, who in self.inflight.items() if who == name]:
+                del self.inflight[h]
+
+    def _release(self, name: str) -> None:
+        self.running.discard(name)
+        for slot in [s for s, who in self.held.items() if who == name]:
+            del self.held[slot]
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self.running)

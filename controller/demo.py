@@ -1,0 +1,126 @@
+"""`autolab demo`: a whole lab on this machine, in minutes, with no GPU and no cluster.
+
+It builds a lab in a temporary directory (tiny profile, synthetic data),
+applies specs that meet every outcome a user will see, and runs the same
+controller loop as `autolab run`:
+
+  wave 1, written against the seed master:
+    improve-lr          a higher Muon learning rate         -> Succeeded, Promoted
+    regress-lr          a far lower one                     -> Succeeded, Rejected
+    repeat-improve      improve-lr's diff again             -> Duplicate (no run)
+    repeat-commented    improve-lr plus a comment           -> Duplicate (AST hash)
+    touch-prepare       edits the fixed harness             -> Invalid (no run)
+  wave 2, still written against the seed master, after improve-lr moved it:
+    stale-warmdown      edits other lines                   -> rebased, then run
+    stale-conflict      edits the line improve-lr changed   -> Conflict
+
+Then it prints the table, the ledger and the master.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from controller.core.spec import API_VERSION
+
+
+def _diff(old: str, new: str, path: str = "train.py") -> str:
+    out = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                       f"a/{path}", f"b/{path}"))
+    if not out:
+        raise RuntimeError(f"demo edit changed nothing in {path}; bench/train.py moved on?")
+    return out
+
+
+def _edit(source: str, old: str, new: str) -> str:
+    if old not in source:
+        raise RuntimeError(f"demo: {old!r} not found in the master's train.py")
+    return source.replace(old, new, 1)
+
+
+def _spec(name: str, campaign: str, hypothesis: str, parent: str, diff: str) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "Experiment", "metadata": {"name": name},
+            "spec": {"campaign": campaign, "hypothesis": hypothesis, "parent": parent[:12],
+                     "diff": diff}}
+
+
+LR_LINE = "MATRIX_LR = 0.02"
+WARMDOWN_LINE = "WARMDOWN_RATIO = 0.5"
+
+
+def run_demo(keep: bool = False, directory: str | None = None) -> int:
+    from controller.cli import cmd_get, cmd_ledger, cmd_master, init_lab, run_loop
+
+    started = time.time()
+    base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="autolab-demo-"))
+    root = base / "lab"
+    print(f"== autolab demo: a tiny lab in {root} (CPU, synthetic data)", flush=True)
+    lab = init_lab(root, profile="tiny", data="synthetic")
+    seed = lab.repo.master()
+    src = lab.repo.master_source()
+    prepare_src = (root / "bench" / "prepare.py").read_text()
+    better = _edit(src, LR_LINE, "MATRIX_LR = 0.06")
+    wave1 = [
+        _spec("improve-lr", "learning-rate", "A higher Muon learning rate learns faster in a "
+              "short budget.", seed.hash, _diff(src, better)),
+        _spec("regress-lr", "learning-rate", "A hundred times lower Muon learning rate "
+              "(expected to regress).", seed.hash,
+              _diff(src, _edit(src, LR_LINE, "MATRIX_LR = 0.0002"))),
+        _spec("repeat-improve", "learning-rate", "The same higher learning rate, proposed again.",
+              seed.hash, _diff(src, better)),
+        _spec("repeat-commented", "learning-rate", "The higher learning rate with a new comment.",
+              seed.hash, _diff(src, _edit(better, "MATRIX_LR = 0.06  #",
+                                          "MATRIX_LR = 0.06  # raised for the demo;"))),
+        _spec("touch-prepare", "harness", "Evaluate on fewer tokens.", seed.hash,
+              _diff(prepare_src, prepare_src.replace("CACHE_FORMAT = 1", "CACHE_FORMAT = 2", 1),
+                    "prepare.py")),
+    ]
+    for doc in wave1:
+        print(f"experiment.autolab.dev/{doc['metadata']['name']} "
+              f"{lab.apply_file(doc, 'demo')}", flush=True)
+    print("== autolab run (the master's baseline is measured first)", flush=True)
+    if run_loop(lab, interval=0.5) != 0:
+        return 1
+    moved = lab.repo.master()
+    if moved.hash == seed.hash:
+        print("note: improve-lr did not beat the master this time, so wave 2 is not stale",
+              flush=True)
+    wave2 = [
+        _spec("stale-warmdown", "schedule", "A shorter warmdown keeps the peak LR longer.",
+              seed.hash, _diff(src, _edit(src, WARMDOWN_LINE, "WARMDOWN_RATIO = 0.3"))),
+        _spec("stale-conflict", "learning-rate", "A slightly higher learning rate.", seed.hash,
+              _diff(src, _edit(src, LR_LINE, "MATRIX_LR = 0.03"))),
+    ]
+    print(f"== wave 2: written against the seed master {seed.hash[:12]}; the master is now "
+          f"{moved.hash[:12]}", flush=True)
+    for doc in wave2:
+        print(f"experiment.autolab.dev/{doc['metadata']['name']} "
+              f"{lab.apply_file(doc, 'demo')}", flush=True)
+    if run_loop(lab, interval=0.5) != 0:
+        return 1
+
+    class A:  # the CLI commands' arguments
+        lab = str(root)
+        name = None
+        output = "wide"
+
+    print("\n== autolab get -o wide")
+    cmd_get(A)
+    print("\n== autolab ledger")
+    A.output = "table"
+    cmd_ledger(A)
+    print("\n== autolab master")
+    A.output = "text"
+    cmd_master(A)
+    print(f"\ndemo finished in {time.time() - started:.0f} s")
+    if keep or directory:
+        print(f"the lab stays in {root}: try `autolab get --lab {root}`")
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,181 @@
+"""An API server in this process: kmock's Kubernetes emulator, taught what the operator needs.
+
+The operator is tested (and benchmarked) against real HTTP, the real kopf and
+the real `kubernetes` client; only the API server is a stand-in. kmock's
+`KubernetesEmulator` keeps objects in memory and serves list, watch, get,
+create, merge/JSON patch and delete. On its own it leaves out a few things
+a controller relies on, which this subclass adds, each the way a real API
+server does it:
+
+- every object gets `uid`, `creationTimestamp`, `generation` and a
+  `resourceVersion` that changes on every write (kopf's finalizer patch tests
+  it; our master promotion uses it as a compare-and-swap precondition: a merge
+  patch naming a stale `metadata.resourceVersion` is refused with 409);
+- `metadata.generateName` on create (kopf posts its Events that way);
+- creating a CustomResourceDefinition makes its resource discoverable, with
+  the verbs and subresources it declares, so an operator started before the
+  CRDs notices them as on a real cluster;
+- equality `labelSelector`s on lists (`a=b,c=d`), as the operator's own lists
+  of Pods rely on them;
+- Pod logs (`pods/<name>/log`) from `logs[(namespace, name)]`, which a test fills
+  in to play the kubelet.
+
+Left out, as in kmock: garbage collection of owned objects, strategic merge
+patches, PUT, server-side schema validation (tests validate against the CRD
+schema with jsonschema themselves).
+
+`python -m controller.emulator [--port N]` serves one on localhost (the
+operator benchmark runs it in its own process that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import datetime
+import secrets
+import uuid
+from typing import Any
+
+import aiohttp.web
+import kmock
+from kmock._internal import rendering  # the request type the handler hooks receive
+
+MUTATING = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+CR_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with resource versions, generateName, CRD discovery and selectors."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        self.logs: dict[tuple[str, str], str] = {}
+        self._revision = 0
+        self._writes = asyncio.Lock()
+
+    def _next_revision(self) -> str:
+        self._revision += 1
+        return str(self._revision)
+
+    def _stored(self, request: rendering.Request) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        if key in self.objects and not self.objects[key].deleted:
+            return self.objects[key]
+        return None
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.action == kmock.action.FETCH and request.subresource == "log":
+            return aiohttp.web.Response(text=self.logs.get((request.namespace, request.name), ""))
+        if request.action not in MUTATING or request.resource is None:
+            return await super()._handle(request)
+        # One write at a time, so a precondition checked here still holds when kmock applies it.
+        async with self._writes:
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+                self._on_create(request)
+            elif request.action == kmock.action.UPDATE and request.data is not None:
+                self._on_update(request)
+            return await super()._handle(request)
+
+    def _on_create(self, request: rendering.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        key = (request.resource, request.namespace, meta.get("name"))
+        if key not in self.objects or self.objects[key].deleted:  # a conflict keeps what is stored
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta.setdefault("generation", 1)
+            meta["resourceVersion"] = self._next_revision()
+        if request.resource == CRDS:
+            self._discover(request.data)
+
+    def _on_update(self, request: rendering.Request) -> None:
+        stored = self._stored(request)
+        if stored is None:
+            return  # kmock answers 404
+        meta = stored.get("metadata", {})
+        revision = self._next_revision()
+        if isinstance(request.data, dict):
+            wanted = (request.data.get("metadata") or {}).get("resourceVersion")
+            if wanted is not None and wanted != meta.get("resourceVersion"):
+                raise kmock.KubernetesError(
+                    status=409, reason="Conflict",
+                    message=f"Operation cannot be fulfilled on {request.resource.plural} "
+                            f"{request.name!r}: the object has been modified; please apply your "
+                            "changes to the latest version and try again")
+            patch_meta = request.data.setdefault("metadata", {})
+            patch_meta["resourceVersion"] = revision
+            if request.subresource is None and "spec" in request.data:
+                patch_meta["generation"] = int(meta.get("generation", 1)) + 1
+        elif isinstance(request.data, list):
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion",
+                                 "value": revision})
+            if request.subresource is None and any(
+                    str(op.get("path", "")).startswith("/spec") for op in request.data):
+                request.data.append({"op": "add", "path": "/metadata/generation",
+                                     "value": int(meta.get("generation", 1)) + 1})
+
+    def _discover(self, crd: dict) -> None:
+        spec = crd.get("spec") or {}
+        names = spec.get("names") or {}
+        for version in spec.get("versions") or []:
+            self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = \
+                kmock.ResourceInfo(kind=names.get("kind"), singular=names.get("singular"),
+                                   namespaced=spec.get("scope") == "Namespaced", verbs=CR_VERBS,
+                                   shortnames=names.get("shortNames") or [],
+                                   subresources=list((version.get("subresources") or {})))
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        listed = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            wanted = dict(term.split("=", 1) for term in selector.replace("==", "=").split(","))
+            listed["items"] = [o for o in listed["items"]
+                               if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v
+                                      for k, v in wanted.items())]
+        listed["metadata"] = {"resourceVersion": str(self._revision)}
+        return listed
+
+    # -- conveniences for tests: read and write objects as the cluster would ----------------------
+    def get(self, resource: str, namespace: str | None, name: str) -> dict | None:
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    def items(self, resource: str, namespace: str | None = None) -> list[dict]:
+        res = kmock.resource(resource)
+        return [copy.deepcopy(o.raw) for (r, ns, _), o in self.objects.items()
+                if r == res and not o.deleted and (namespace is None or ns == namespace)]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def serve(port: int = 0) -> None:
+    async with Emulator() as emulator, kmock.Server(emulator, port=port) as server:
+        print(f"{server.url}".rstrip("/"), flush=True)
+        await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m controller.emulator",
+                                description="Serve an in-memory Kubernetes API on localhost.")
+    p.add_argument("--port", type=int, default=0, help="port (default: any free one)")
+    a = p.parse_args(argv)
+    try:
+        asyncio.run(serve(a.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""Research memory: what the controller writes into the lab notebook when an experiment ends.
+
+The ledger is one line per experiment; agents and people also need prose
+they can read and grep. When a ledger row is written, the controller writes
+`research/experiments/<name>.md` (hypothesis, campaign, parent, the lines the
+diff changed, the result, the delta against the master and the outcome) from
+the template `research/templates/experiment.md`, and adds the experiments no
+one should try again to `research/do-not-repeat.md`, grouped by campaign:
+regressions (Rejected with a positive delta) and duplicates.
+
+Both are written once per experiment and never rewritten, so people may
+annotate them: a note that exists is left alone, and a do-not-repeat entry is
+recognised by its name and not added twice. `research/notes.md` and
+`research/campaigns/` are the people's (and the memory-keeper's) to write.
+
+Memory is derived from the ledger, so nothing is lost when a write fails:
+the hook reports the failure and carries on, and `backfill` (run by
+`autolab report`) writes whatever is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from filelock import FileLock
+
+from controller.core.diffs import DiffRefused, parse_surface_diff
+from controller.labrepo import atomic_write
+
+if TYPE_CHECKING:
+    from controller.local import LocalLab
+
+TEMPLATE = "experiment.md"
+NO_CAMPAIGN = "no campaign"
+DNR_HEADER = ("# Do not repeat\n\nIdeas that regressed or were duplicates, by campaign. The "
+              "controller appends here; people may annotate.\n")
+
+
+def _repo_templates() -> Path:
+    return Path(__file__).resolve().parents[1] / "research" / "templates"
+
+
+def template_text(lab_root: Path) -> str:
+    """The lab's experiment-note template, or the one shipped with autolab."""
+    for d in (lab_root / "research" / "templates", _repo_templates()):
+        if (d / TEMPLATE).exists():
+            return (d / TEMPLATE).read_text(encoding="utf-8")
+    raise FileNotFoundError(f"no {TEMPLATE} template in {lab_root / 'research' / 'templates'} "
+                            f"or {_repo_templates()}; restore it from the autolab checkout")
+
+
+def changed_lines(diff: str, surface: str) -> str:
+    """The diff's hunks, as the reader wants them: removed and added lines in order."""
+    if not diff.strip():
+        return "(no diff recorded)"
+    try:
+        text = parse_surface_diff(diff, surface).text
+    except DiffRefused:
+        lines = diff.splitlines()
+        return "\n".join(lines[:40]) + ("\n… (truncated)" if len(lines) > 40 else "")
+    body = [ln for ln in text.splitlines()[2:] if ln.startswith(("@@", "-", "+"))]
+    return "\n".join(body)
+
+
+def _fmt(value: str, digits: int = 6, signed: bool = False) -> str:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return "—"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _phase(row: dict) -> str:
+    status = row.get("status", "")
+    if status == "error":
+        return "Failed"
+    return status.capitalize() if status else "?"
+
+
+def experiment_note(row: dict, spec: dict | None, status: dict | None, surface: str,
+                    template: str) -> str:
+    spec = spec or {}
+    status = status or {}
+    master = status.get("masterValBpb")
+    fields = {
+        "name": row.get("experiment_id", ""),
+        "campaign": row.get("campaign") or NO_CAMPAIGN,
+        "hypothesis": row.get("hypothesis") or spec.get("hypothesis", ""),
+        "parent": row.get("parent_hash", "")[:12] or spec.get("parent", ""),
+        "rebased_from": (row.get("rebased_from") or "")[:12] or "—",
+        "candidate": (row.get("candidate_hash") or "")[:12] or "—",
+        "phase": _phase(row),
+        "outcome": row.get("outcome") or "—",
+        "reason": row.get("reason") or "—",
+        "val_bpb": _fmt(row.get("val_bpb", "")),
+        "master_val_bpb": _fmt(master) if master is not None else "—",
+        "delta": _fmt(row.get("delta", ""), signed=True),
+        "training_seconds": _fmt(row.get("training_seconds", ""), 1),
+        "backend": row.get("backend") or "—",
+        "run_id": row.get("run_id", ""),
+        "finished": row.get("created_at", ""),
+        "duplicate_of": row.get("duplicate_of") or "—",
+        "message": (row.get("comment") or "").strip() or "—",
+        "changed_lines": changed_lines(spec.get("diff", ""), surface),
+    }
+    return string.Template(template).safe_substitute(fields)
+
+
+def do_not_repeat_reason(row: dict) -> str | None:
+    """Why an experiment belongs in do-not-repeat.md, or None."""
+    if row.get("status") == "duplicate":
+        return f"duplicate of {row.get('duplicate_of') or 'an earlier candidate'}"
+    try:
+        delta = float(row.get("delta", ""))
+    except ValueError:
+        return None
+    if row.get("outcome") == "Rejected" and delta > 0:
+        return (f"regressed: val_bpb {_fmt(row.get('val_bpb'))}, "
+                f"{_fmt(row.get('delta'), signed=True)} against the master")
+    return None
+
+
+def _entry(row: dict, spec: dict | None, surface: str, why: str) -> str:
+    added = []
+    try:
+        added = list(parse_surface_diff((spec or {}).get("diff", ""), surface).added)
+    except DiffRefused:
+        pass
+    change = ""
+    if added:
+        shown = "; ".join(f"`{a.strip()}`" for a in added[:2] if a.strip())
+        change = f" Change: {shown}{' …' if len(added) > 2 else ''}." if shown else ""
+    name = row["experiment_id"]
+    return (f"- `{name}` ({row.get('created_at', '')[:10]}): {row.get('hypothesis', '')} "
+            f"— {why}.{change} [note](experiments/{name}.md)\n")
+
+
+def add_do_not_repeat(path: Path, campaign: str, name: str, entry: str) -> bool:
+    """Insert `entry` at the end of the campaign's section (made if missing). False: present."""
+    text = path.read_text(encoding="utf-8") if path.exists() else DNR_HEADER
+    if re.search(rf"^- `{re.escape(name)}`", text, re.M):
+        return False
+    heading = f"## {campaign}"
+    lines = text.splitlines(True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == heading), None)
+    if start is None:
+        if lines and lines[-1].strip():
+            lines.append("\n")
+        lines += [heading + "\n", "\n", entry]
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))
+        while end > start + 1 and not lines[end - 1].strip():
+            end -= 1  # before the blank lines that end the section
+        lines.insert(end, entry)
+    atomic_write(path, "".join(lines))
+    return True
+
+
+def remember(lab_root: Path, surface: str, row: dict, spec: dict | None,
+             status: dict | None) -> list[Path]:
+    """Write the note (if missing) and the do-not-repeat entry (if due) of one ledger row."""
+    name = row.get("experiment_id", "")
+    if not name or name == "baseline":
+        return []
+    research = lab_root / "research"
+    written = []
+    lock = FileLock(str(lab_root / ".autolab" / "locks" / "research.lock"))
+    (lab_root / ".autolab" / "locks").mkdir(parents=True, exist_ok=True)
+    with lock:
+        note = research / "experiments" / f"{name}.md"
+        if not note.exists():
+            atomic_write(note, experiment_note(row, spec, status, surface,
+                                               template_text(lab_root)))
+            written.append(note)
+        why = do_not_repeat_reason(row)
+        if why:
+            dnr = research / "do-not-repeat.md"
+            if add_do_not_repeat(dnr, row.get("campaign") or NO_CAMPAIGN, name,
+                                 _entry(row, spec, surface, why)):
+                written.append(dnr)
+    return written
+
+
+def memory_hook(lab: "LocalLab", name: str, record: dict, row: dict) -> None:
+    """LocalLab hook: the research notes of an experiment whose ledger row was just written."""
+    try:
+        remember(lab.root, lab.lab.surface, row, record.get("spec"), record.get("status"))
+    except Exception as e:  # memory must never stop the controller; backfill repairs it
+        print(f"warning: could not write the research notes of {name}: {e}; `autolab report` "
+              "writes missing notes", file=sys.stderr)
+
+
+def backfill(lab: "LocalLab") -> list[Path]:
+    """Notes and do-not-repeat entries for every ledger row that lacks them."""
+    written: list[Path] = []
+    for row in lab.ledger.rows():
+        name = row.get("experiment_id", "")
+        if not name or name == "baseline":
+            continue
+        record = lab.read_record(name)
+        written += remember(lab.root, lab.lab.surface, row, record.get("spec"),
+                            record.get("status"))
+    return written
