@@ -23,7 +23,9 @@ key away from it is the whole point:
    After exec, `/proc/<pid>/environ` shows the new environment: a candidate
    reading its parent's environ finds nothing. The job's command execs
    straight into Python (no shell, no `uv run` wrapper left as an ancestor
-   holding the original environment).
+   holding the original environment); if some ancestor does hold the key
+   all the same, stage one refuses to measure rather than sign a result
+   the candidate could have signed.
 2. Stage two reads the key from the pipe, closes it and marks itself
    non-dumpable (`PR_SET_DUMPABLE` 0), so without CAP_SYS_PTRACE (not granted
    to containers by default) no other process can read its memory or its
@@ -118,10 +120,35 @@ def install_missing(requirements: list[str]) -> None:
         sys.exit(EXIT_HARNESS_ERROR)
 
 
+def ancestors_holding(name: str) -> list[int]:
+    """Pids of this process's ancestors whose environment still holds `name`.
+
+    A candidate can read the environ of every process of its user that is not
+    protected; if whatever started this job (a shell, an init wrapper) kept the
+    key there, the key is exposed however carefully this process scrubs itself.
+    """
+    found, pid, marker = [], os.getppid(), f"{name}=".encode()
+    while pid > 1:
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(pid)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
 def stage_one(args: argparse.Namespace, argv: list[str]) -> None:
     key = os.environ.pop(KEY_ENV, "")
     if not key:
         _log(f"the job has no {KEY_ENV} secret; the controller cannot trust any result of it")
+        sys.exit(EXIT_HARNESS_ERROR)
+    exposed = ancestors_holding(KEY_ENV)
+    if exposed:
+        _log(f"process(es) {', '.join(map(str, exposed))} above this one keep {KEY_ENV} in their "
+             "environment, where the candidate could read it; refusing to measure. The job's "
+             "command must exec python3 directly (no shell or wrapper that stays alive)")
         sys.exit(EXIT_HARNESS_ERROR)
     for name in SECRET_ENV:
         os.environ.pop(name, None)

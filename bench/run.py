@@ -73,10 +73,13 @@ class RunLog:
     def __init__(self, path: str | os.PathLike | None, echo: bool = True) -> None:
         self.echo = echo
         self.file = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8", errors="replace")
         self.lock = threading.Lock()
+        if path:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "a", encoding="utf-8", errors="replace")
+            except OSError as e:
+                self.harness(f"cannot write the log {path} ({e}); logging to stdout only")
 
     def line(self, text: str) -> None:
         with self.lock:
@@ -230,6 +233,10 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         if changed:
             raise Outcome("failed", f"the harness file(s) {', '.join(changed)} in {BENCH_DIR} changed while the "
                                     "candidate ran; the run is void", rc)
+        tampered = [n for n in ("val.bin", "token_bytes.npy") if _sha256(data.file(n)) != data.sha256(n)]
+        if tampered:
+            raise Outcome("failed", f"{', '.join(tampered)} in {data.path} changed while the candidate ran; "
+                                    "the run is void (the cache is rebuilt on the next run)", rc)
         if timed_out:
             raise Outcome("failed", f"the candidate ran past its deadline of {deadline:g}s (budget {budget:g}s + "
                                     f"start-up allowance {allowance:g}s) and was killed")
@@ -342,7 +349,11 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         result.update(status="error", reason=f"harness error: {type(e).__name__}: {e}")
     if result["status"] != "succeeded":
         result.pop("metrics", None)
-    _write_atomic(result_path, json.dumps(result, indent=1) + "\n")
+    try:
+        _write_atomic(result_path, json.dumps(result, indent=1) + "\n")
+    except OSError as e:
+        result.pop("metrics", None)
+        result.update(status="error", reason=f"cannot write the result {result_path}: {e}")
     termination_log = termination_log if termination_log is not None else default_termination_log()
     if termination_log:
         try:

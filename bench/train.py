@@ -38,7 +38,8 @@ from prepare import MAX_SEQ_LEN, TIME_BUDGET, VOCAB_SIZE
 # Knobs
 
 DEPTH = 8  # transformer blocks
-ASPECT_RATIO = 80  # model width = DEPTH * ASPECT_RATIO, rounded up to a multiple of HEAD_DIM
+ASPECT_RATIO = 64  # model width = DEPTH * ASPECT_RATIO, rounded up to a multiple of HEAD_DIM
+VALUE_EMBEDS = True  # odd layers add a per-layer token embedding to the attention values
 HEAD_DIM = 128  # width of one attention head
 MLP_RATIO = 4  # MLP hidden width = MLP_RATIO * model width
 ROPE_BASE = 10_000.0  # rotary base frequency
@@ -57,7 +58,7 @@ WARMUP_RATIO = 0.0  # share of the budget spent ramping the LR up from 0
 WARMDOWN_RATIO = 0.5  # share of the budget at the end spent decaying the LR
 FINAL_LR_FRAC = 0.0  # LR at the end, as a fraction of the peak
 UNTIMED_STEPS = 10  # first steps (compilation, warm-up) do not count against the budget
-LOG_EVERY = 25  # steps between log lines; each one reads the loss (a host sync)
+LOG_EVERY = 25  # steps between log lines; each reads the loss (a host sync) and checks it is finite
 COMPILE = True  # torch.compile the model (CUDA only)
 SEED = 42
 
@@ -65,7 +66,7 @@ if prepare.PROFILE == "tiny":  # a toy model that a CPU trains in seconds
     DEPTH, ASPECT_RATIO, HEAD_DIM = 2, 32, 32
     TOTAL_BATCH_TOKENS, DEVICE_BATCH = 8 * MAX_SEQ_LEN, 8
     UNEMBEDDING_LR = 0.02
-    UNTIMED_STEPS, LOG_EVERY = 1, 5
+    UNTIMED_STEPS, LOG_EVERY = 1, 1
 
 MODEL_DIM = -(-DEPTH * ASPECT_RATIO // HEAD_DIM) * HEAD_DIM
 N_HEAD = MODEL_DIM // HEAD_DIM
@@ -102,6 +103,10 @@ def sync():
         torch.cuda.synchronize()
 
 
+# Windows of the pre-tokenised training stream, prefetched to the device.
+train_loader = prepare.make_loader("train", DEVICE_BATCH, MAX_SEQ_LEN, device)
+
+
 # ---------------------------------------------------------------------------
 # Model
 
@@ -125,11 +130,13 @@ class Attention(nn.Module):
         self.c_v = nn.Linear(MODEL_DIM, N_HEAD * HEAD_DIM, bias=False)
         self.c_proj = nn.Linear(N_HEAD * HEAD_DIM, MODEL_DIM, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, ve=None):
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, N_HEAD, HEAD_DIM)
         k = self.c_k(x).view(B, T, N_HEAD, HEAD_DIM)
         v = self.c_v(x).view(B, T, N_HEAD, HEAD_DIM)
+        if ve is not None:  # value embedding: token identity straight into the values
+            v = v + ve.view(B, T, N_HEAD, HEAD_DIM).to(v.dtype)
         q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)
         y = F.scaled_dot_product_attention(
             q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -153,8 +160,8 @@ class Block(nn.Module):
         self.attn = Attention()
         self.mlp = MLP()
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(norm(x), cos, sin, ve)
         return x + self.mlp(norm(x))
 
 
@@ -163,6 +170,10 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(VOCAB_SIZE, MODEL_DIM)
         self.blocks = nn.ModuleList([Block() for _ in range(DEPTH)])
+        # Parameters without FLOPs (a lookup and an add), as in ResFormer / the NanoGPT speedrun.
+        self.value_embeds = nn.ModuleDict(
+            {str(i): nn.Embedding(VOCAB_SIZE, N_HEAD * HEAD_DIM) for i in range(DEPTH) if VALUE_EMBEDS and i % 2 == 1}
+        )
         self.lm_head = nn.Linear(MODEL_DIM, VOCAB_SIZE, bias=False)
         inv_freq = ROPE_BASE ** -(torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
         angles = torch.outer(torch.arange(MAX_SEQ_LEN, dtype=torch.float32), inv_freq)[None, :, None, :]
@@ -179,13 +190,16 @@ class GPT(nn.Module):
                 nn.init.uniform_(lin.weight, -bound, bound)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+        for ve in self.value_embeds.values():
+            nn.init.uniform_(ve.weight, -bound, bound)
 
     def forward(self, idx, targets=None):
         T = idx.size(1)
         cos, sin = self.cos[:, :T], self.sin[:, :T]
         x = norm(self.wte(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            x = block(x, cos, sin, ve)
         logits = self.lm_head(norm(x)).float()
         if LOGIT_SOFTCAP > 0:
             logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
@@ -199,8 +213,9 @@ raw_model.init_weights()
 model = torch.compile(raw_model, dynamic=False) if use_cuda and COMPILE else raw_model
 
 num_params = sum(p.numel() for p in raw_model.parameters())
-num_embedding = raw_model.wte.weight.numel()
-# Model FLOPs per token: 6 x (non-embedding parameters, lm_head included) for the
+num_embedding = raw_model.wte.weight.numel() + sum(p.numel() for p in raw_model.value_embeds.parameters())
+# Model FLOPs per token: 6 x (non-embedding parameters, lm_head included; the token and value
+# embeddings are lookups, not matmuls) for the
 # matmuls forward and backward, plus 12 x DEPTH x seq_len x width for attention
 # scores and values (PaLM convention; the causal mask's savings are not subtracted).
 FLOPS_PER_TOKEN = 6 * (num_params - num_embedding) + 12 * DEPTH * MAX_SEQ_LEN * MODEL_DIM
@@ -270,10 +285,10 @@ matrix_params = [p for block in raw_model.blocks for p in block.parameters() if 
 matrix_ids = {id(p) for p in matrix_params}
 other_params = [
     p for n, p in raw_model.named_parameters()
-    if id(p) not in matrix_ids and not n.startswith(("wte.", "lm_head."))
+    if id(p) not in matrix_ids and not n.startswith(("wte.", "lm_head.", "value_embeds."))
 ]
 adam_groups = [
-    {"params": [raw_model.wte.weight], "lr": EMBEDDING_LR},
+    {"params": [raw_model.wte.weight, *raw_model.value_embeds.parameters()], "lr": EMBEDDING_LR},
     {"params": [raw_model.lm_head.weight], "lr": UNEMBEDDING_LR},
 ]
 if other_params:
@@ -298,7 +313,6 @@ def lr_multiplier(progress):
 # ---------------------------------------------------------------------------
 # Training loop
 
-train_loader = prepare.make_loader("train", DEVICE_BATCH, MAX_SEQ_LEN, device)
 print(
     f"profile {prepare.PROFILE} | device {device} | params {num_params / 1e6:.1f}M | depth {DEPTH} | "
     f"width {MODEL_DIM} | heads {N_HEAD} | batch {TOTAL_BATCH_TOKENS:,} tokens ({ACCUM_STEPS} x {DEVICE_BATCH} x "
@@ -349,7 +363,7 @@ while True:
         mfu = 100 * tok_per_sec * FLOPS_PER_TOKEN / peak_flops if peak_flops else 0.0
         log_time, log_tokens = now, tokens_seen
         print(
-            f"step {step:05d} | loss {train_loss:.4f} | tok/s {tok_per_sec:,.0f} | mfu {mfu:.1f}% | "
+            f"step {step:05d} | loss {train_loss:.4f} | tok/s {tok_per_sec:.0f} | mfu {mfu:.1f}% | "
             f"lr x{multiplier:.2f} | time {training_time:.1f}/{TIME_BUDGET:g}s",
             flush=True,
         )

@@ -665,8 +665,17 @@ def kickoff_text(runtime: str, gpu_slots: int, contracts: list[Contract] | None 
 # Commands
 # ============================================================================================
 
+def open_lab(path: str) -> LocalLab:
+    """The lab at `path`; from inside a scratch worktree (a checkout of the lab), the lab itself."""
+    p = Path(path).resolve()
+    for d in (p, *p.parents):
+        if d.name == "scratch" and d.parent.name == ".autolab":
+            return LocalLab(d.parent.parent)
+    return LocalLab(p)
+
+
 def cmd_worktree(a) -> int:
-    lab = LocalLab(a.lab)
+    lab = open_lab(a.lab)
     if not a.name:
         rows = [[n, meta["hash"][:12], meta.get("createdAt", ""),
                  str(lab.state / "scratch" / n)] for n, meta in list_scratches(lab)]
@@ -694,7 +703,7 @@ def cmd_worktree(a) -> int:
 
 
 def cmd_new(a) -> int:
-    lab = LocalLab(a.lab)
+    lab = open_lab(a.lab)
     if not is_valid_name(a.name):
         raise cli.CliError(f"{a.name!r} is not a valid experiment name: use a lowercase DNS "
                            "label (a-z, 0-9, '-'), at most 50 characters")
@@ -723,7 +732,7 @@ def cmd_new(a) -> int:
 
 
 def cmd_validate(a) -> int:
-    lab = LocalLab(a.lab)
+    lab = open_lab(a.lab)
     try:
         findings = validate_paths(lab, a.filename)
     except GitError as e:
@@ -744,7 +753,7 @@ def cmd_validate(a) -> int:
 
 def _lab_or_none(path: str) -> LocalLab | None:
     try:
-        return LocalLab(path)
+        return open_lab(path)
     except SpecError:
         return None
 
@@ -784,7 +793,7 @@ def cmd_kickoff(a) -> int:
 
 def cmd_report(a) -> int:
     from controller.report import write_report
-    lab = LocalLab(a.lab)
+    lab = open_lab(a.lab)
     md, png = write_report(lab, stuck_after=a.stuck_after, png=not a.no_png)
     sys.stdout.write(md)
     if png:
@@ -794,7 +803,7 @@ def cmd_report(a) -> int:
 
 def cmd_dashboard(a) -> int:
     from controller import tracking
-    lab = LocalLab(a.lab)
+    lab = open_lab(a.lab)
     tracking.sync(lab.root, lab.name, quiet=False)
     if a.sync_space or a.sync_bucket:
         return tracking.push(lab.root, lab.name, space_id=a.sync_space, bucket_id=a.sync_bucket)

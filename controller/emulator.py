@@ -39,16 +39,51 @@ import uuid
 from typing import Any
 
 import aiohttp.web
+import jsonpatch
 import kmock
 from kmock._internal import rendering  # the request type the handler hooks receive
 
 MUTATING = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
+SUBRESOURCES_SERVED = (None, "status")
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 CR_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator with resource versions, generateName, CRD discovery and selectors."""
+class _DirectRoutes(kmock.RawHandler):
+    """Serve object requests straight from the emulator's handlers.
+
+    kmock matches every request against its reactions, and a reaction looks
+    through every request served so far; that is made for tests of a few dozen
+    requests and grows quadratically with more. Requests for objects go
+    directly to the emulator's own list/watch/get/create/patch/delete instead;
+    discovery and anything else still go through kmock's reactions.
+    """
+
+    __slots__ = ()
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        serve = None
+        if res is not None and res.plural and request.subresource in SUBRESOURCES_SERVED:
+            serve = {kmock.action.LIST: "_serve_list", kmock.action.WATCH: "_serve_watch",
+                     kmock.action.FETCH: "_serve_fetch", kmock.action.CREATE: "_serve_create",
+                     kmock.action.UPDATE: "_serve_update",
+                     kmock.action.DELETE: "_serve_delete"}.get(request.action)
+        if serve is None:
+            return await super()._handle(request)
+        return await rendering.Response(payload=getattr(self, serve))(request)
+
+
+class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
+    """kmock's emulator with resource versions, generateName, CRD discovery and selectors.
+
+    `keep_requests`: remember only about that many of the latest requests
+    (`requests`), for long runs; None keeps them all, for assertions.
+    """
+
+    def __init__(self, *args: Any, keep_requests: int | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.keep_requests = keep_requests
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -68,6 +103,8 @@ class Emulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if self.keep_requests and len(self._requests) > 2 * self.keep_requests:
+            del self._requests[:-self.keep_requests]
         if request.action == kmock.action.FETCH and request.subresource == "log":
             return aiohttp.web.Response(text=self.logs.get((request.namespace, request.name), ""))
         if request.action not in MUTATING or request.resource is None:
@@ -114,6 +151,14 @@ class Emulator(kmock.KubernetesEmulator):
             if request.subresource is None and "spec" in request.data:
                 patch_meta["generation"] = int(meta.get("generation", 1)) + 1
         elif isinstance(request.data, list):
+            for op in request.data:  # a failed JSON-patch test is 422, as the API server says
+                if op.get("op") == "test":
+                    try:
+                        jsonpatch.JsonPatch([op]).apply(stored.raw)
+                    except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPointerException) as e:
+                        raise kmock.KubernetesError(status=422, reason="Invalid",
+                                                    message=f"the test of {op.get('path')} "
+                                                            f"failed: {e}") from None
             request.data.append({"op": "add", "path": "/metadata/resourceVersion",
                                  "value": revision})
             if request.subresource is None and any(
@@ -143,6 +188,11 @@ class Emulator(kmock.KubernetesEmulator):
         return listed
 
     # -- conveniences for tests: read and write objects as the cluster would ----------------------
+    @property
+    def requests(self) -> list[rendering.Request]:
+        """Every request served so far, oldest first."""
+        return list(self._requests)
+
     def get(self, resource: str, namespace: str | None, name: str) -> dict | None:
         key = (kmock.resource(resource), namespace, name)
         if key not in self.objects or self.objects[key].deleted:
@@ -160,7 +210,8 @@ def _now() -> str:
 
 
 async def serve(port: int = 0) -> None:
-    async with Emulator() as emulator, kmock.Server(emulator, port=port) as server:
+    async with Emulator(keep_requests=1000) as emulator, \
+            kmock.Server(emulator, port=port) as server:
         print(f"{server.url}".rstrip("/"), flush=True)
         await asyncio.Event().wait()
 

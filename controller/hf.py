@@ -49,7 +49,7 @@ What to set, once:
                         namespace: alice          # user or organisation (default: the token's user)
                         bucket: autolab-cache     # a private bucket for the prepared data
                         flavor: {DEFAULT_FLAVOR}              # hardware: h200, a100-large, l4x1, ... (default {DEFAULT_FLAVOR})
-                        timeout: {DEFAULT_TIMEOUT}             # the most one job may run (default {DEFAULT_TIMEOUT})
+                        timeout: {DEFAULT_TIMEOUT}              # the most one job may run (default {DEFAULT_TIMEOUT})
      Create the bucket with `hf buckets create autolab-cache --private`. An Experiment may
      override flavor, timeout and namespace in its own spec.hf.
   3. `autolab hf prepare` fills the bucket: a one-time job on a CPU flavor ({PREPARE_FLAVOR}).
@@ -305,7 +305,7 @@ def cmd_logs(a) -> int:
     if job.get("backend") != "hf":
         raise cli.CliError(f"experiment {a.name!r} ran on {job.get('backend')}; use "
                            f"`autolab logs {a.name}`")
-    rec = backend._record(job["name"])
+    rec = backend.record(job["name"])
     saved = backend.log_path(job["name"])
     if not rec.get("jobId"):
         raise cli.CliError(f"run {job['name']} has no Hugging Face job on record on this machine")

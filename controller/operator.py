@@ -29,9 +29,11 @@ carry ownerReferences and the `app.kubernetes.io/managed-by=autolab` label,
 and the operator watches only those.
 
 Run it with `autolab operator` (see `--help`), or as `kopf run -m
-controller.operator` with the settings in the environment (AUTOLAB_LAB_DIR,
-AUTOLAB_RESYNC_SECONDS, AUTOLAB_RUN_IMAGE). Importing this module is cheap:
-kopf and the Kubernetes client load only when an operator starts.
+controller.operator` (what the Deployment does: the image then needs neither
+torch nor the CLI's extras) with its settings in the environment:
+AUTOLAB_LAB_DIR, AUTOLAB_RESYNC_SECONDS, AUTOLAB_RUN_IMAGE, AUTOLAB_KUBE_SERVER,
+AUTOLAB_KOPF_SCANNING=0. Importing this module is cheap: kopf and the
+Kubernetes client load only when an operator starts.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -70,6 +72,7 @@ FINALIZER = f"{GROUP}/finalizer"
 BASELINE_ATTEMPTS = 3
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
 EVENT_MESSAGE_MAX = 1000
+USER_AGENT = "autolab-operator/0.1"
 
 
 def utcnow() -> str:
@@ -95,7 +98,8 @@ class OperatorConfig:
         return cls(lab_root=Path(env.get("AUTOLAB_LAB_DIR", "/var/lib/autolab")),
                    resync_seconds=float(env.get("AUTOLAB_RESYNC_SECONDS", "30")),
                    server=env.get("AUTOLAB_KUBE_SERVER") or None,
-                   run_image=env.get("AUTOLAB_RUN_IMAGE") or None)
+                   run_image=env.get("AUTOLAB_RUN_IMAGE") or None,
+                   scanning=env.get("AUTOLAB_KOPF_SCANNING", "1") != "0")
 
 
 class LabMissing(LookupError):
@@ -238,8 +242,10 @@ class Operator:
             threading.Lock)
         self._locks_lock = threading.Lock()
         self.unsettled: set[tuple[str, str]] = set()
+        self.phases: dict[tuple[str, str], str | None] = {}  # as this operator last wrote them
         self.timings: collections.deque[Timing] = collections.deque(maxlen=100_000)
         self.hooks: list[Callable[[LabRuntime, str, dict, dict], None]] = []
+        self.settings: Any = None  # kopf's, from the startup handler
 
     # -- plumbing --------------------------------------------------------------------------------
     def connect(self) -> "Kube":
@@ -257,7 +263,9 @@ class Operator:
                     kconfig.load_incluster_config(client_configuration=cfg)
                 except kconfig.ConfigException:
                     kconfig.load_kube_config(client_configuration=cfg)
-            self.kube = Kube(client.ApiClient(cfg))
+            api = client.ApiClient(cfg)
+            api.user_agent = USER_AGENT  # tells our calls apart in the API server's audit log
+            self.kube = Kube(api)
         return self.kube
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
@@ -336,7 +344,8 @@ class Operator:
         candidate: Candidate | None = None
         duplicate = None
         promotion = None
-        rec = rt.sync()
+        # The master of record; the lab repo is brought in step where it is used (materialise).
+        rec = rt.store.read() or rt.sync()
         decision: Decision | None = None
         for _ in range(MAX_STEPS):
             slot = None
@@ -403,10 +412,12 @@ class Operator:
                             backend.cleanup(st["job"]["name"])
         assert decision is not None
         key = (rt.namespace, name)
+        self.phases[key] = st.get("phase")
         if decision.finalized:
             rt.forget_checked_spec(uid)
             rt.book.forget(name)
             self.unsettled.discard(key)
+            self.phases.pop(key, None)
         elif st.get("phase") in TERMINAL and decision.intents:
             self.unsettled.add(key)  # the timer comes back for what is left
         else:
@@ -569,6 +580,7 @@ class Operator:
         import kopf
 
         self.connect()
+        self.settings = settings
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -596,6 +608,8 @@ class Operator:
     async def experiment_tick(self, namespace: str, name: str, status: Any, **_: Any) -> None:
         """The resync timer: runs in flight, and anything a failed pass left undone."""
         import asyncio
+        import contextvars
+        import functools
 
         if (status or {}).get("phase") in TERMINAL and (namespace, name) not in self.unsettled:
             return  # settled: nothing to look at (checked here, in the loop, at no cost)
@@ -608,7 +622,10 @@ class Operator:
                 self._guarded(namespace, name)
             finally:
                 lock.release()
-        await asyncio.to_thread(self._timed, "timer", work)
+        # On kopf's executor, as its sync handlers are, with its context (for posting Events).
+        call = functools.partial(contextvars.copy_context().run, self._timed, "timer", work)
+        executor = self.settings.execution.executor if self.settings is not None else None
+        await asyncio.get_running_loop().run_in_executor(executor, call)
 
     def _guarded(self, namespace: str, name: str) -> Decision | None:
         import kopf
@@ -654,10 +671,15 @@ class Operator:
             if st.get("phase") == "Pending" and not terminated:
                 return  # still queued, as the Experiment already says
 
+        experiment = labels.get(LABEL_EXPERIMENT)
+        key = (namespace, experiment or "")
+        if experiment and self.phases.get(key) in TERMINAL and key not in self.unsettled:
+            return  # its result is recorded; a Job or Pod going away changes nothing
+
         def work() -> None:
-            if labels.get(LABEL_EXPERIMENT):
-                with self.lock(namespace, labels[LABEL_EXPERIMENT]):
-                    self._guarded(namespace, labels[LABEL_EXPERIMENT])
+            if experiment:
+                with self.lock(namespace, experiment):
+                    self._guarded(namespace, experiment)
             elif labels.get(LABEL_BASELINE) and labels.get(LABEL_LAB):
                 with self.lock(namespace, f"lab:{labels[LABEL_LAB]}"):
                     self.reconcile_lab(namespace, labels[LABEL_LAB])
@@ -811,7 +833,8 @@ def _started_by_kopf() -> bool:
                                       or argv0.endswith(os.path.join("kopf", "__main__.py")))
 
 
-if _started_by_kopf():  # `kopf run -m controller.operator`: kopf's default registry, its login
+if _started_by_kopf():  # `kopf run -m controller.operator`: kopf's default registry and login
     import kopf as _kopf
 
-    register(Operator(OperatorConfig.from_env()), _kopf.get_default_registry(), login=False)
+    _config = OperatorConfig.from_env()
+    register(Operator(_config), _kopf.get_default_registry(), login=_config.server is not None)

@@ -5,7 +5,8 @@ Every experiment that ran becomes one Trackio run in the lab's project
 candidate hash, backend and outcome; its metrics are the step curve the
 harness wrote (loss and tokens per second per step, when the result names a
 `curve` file) and, at the last step, the summary (val_bpb, training seconds,
-MFU and the rest). The baseline runs of each master are tracked the same way.
+MFU and the rest; `run_ok` is 1 for a run that measured its candidate, 0 for
+one that failed). The baseline runs of each master are tracked the same way.
 
 Trackio keeps its data where `TRACKIO_DIR` points, read once when trackio is
 imported. So all Trackio work happens in a child process
@@ -247,9 +248,10 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
                          auto_log_gpu=False, embed=False)
             for step, m in curve:
                 trackio.log(m, step=step)
-            summary = _summary(row, result)
-            if summary:
-                trackio.log(summary, step=(curve[-1][0] if curve else 0))
+            # Always one final record, so a run that measured nothing still shows up.
+            summary = {**_summary(row, result),
+                       "run_ok": 1.0 if row.get("status") in ("succeeded", "baseline") else 0.0}
+            trackio.log(summary, step=(curve[-1][0] if curve else 0))
             trackio.finish()
             have.add(label)
             print(f"tracked {label} ({len(curve)} curve points)", flush=True)

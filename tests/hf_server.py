@@ -189,11 +189,13 @@ class FakeJobsServer:
         cmd = [self._mount(job, c) for c in job.spec["command"]]
         if cmd[0] in ("python", "python3"):
             cmd[0] = sys.executable
+        home = Path(self.work_dir or "/tmp") / f"job-{job.id[-6:]}"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
-               "HOME": str(self.work_dir or "/tmp"), **self.extra_env}
+               "HOME": str(home), "TMPDIR": str(home / "tmp"), **self.extra_env}
         env.update({k: self._mount(job, str(v)) for k, v in job.spec.get("environment", {}).items()})
         env.update({k: str(v) for k, v in job.spec.get("secrets", {}).items()})
-        job.proc = subprocess.Popen(cmd, env=env, cwd=str(self.work_dir or "/tmp"),
+        job.proc = subprocess.Popen(cmd, env=env, cwd=str(home),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
 

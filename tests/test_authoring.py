@@ -318,3 +318,30 @@ def test_report_shows_the_leader_and_plots_one_point_per_finished_experiment(ran
                 if r["status"] != "baseline" and r["val_bpb"]]
     assert [q.name for q in p.points] == [r["experiment_id"] for r in finished] == ["frozen"]
     assert (ran.root / "research" / "live" / "report.md").read_text() == md
+
+
+def test_new_diffs_the_scratch_worktree_against_the_master_it_came_from(lab, capsys):
+    assert cli.main(["worktree", "deeper", "--lab", str(lab.root)]) == 0
+    scratch = Path(capsys.readouterr().out.strip())
+    assert scratch == lab.root / ".autolab" / "scratch" / "deeper"
+    assert cli.main(["new", "deeper", "--hypothesis", "x", "--lab", str(scratch)]) == 1
+    assert "does not differ from the master" in capsys.readouterr().err
+    train = scratch / SURFACE
+    train.write_text(train.read_text().replace("DEPTH = 8 ", "DEPTH = 9 "))
+    (scratch / "notes.txt").write_text("scratch notes are not part of the experiment\n")
+    # From inside the worktree (a checkout of the lab) the commands still find the lab.
+    assert cli.main(["new", "deeper", "--campaign", "size", "--lab", str(scratch),
+                     "--hypothesis", "One more block  helps."]) == 0
+    out = capsys.readouterr()
+    assert "notes.txt" in out.err
+    d = yaml.safe_load(out.out)
+    assert d["metadata"]["name"] == "deeper" and d["spec"]["campaign"] == "size"
+    assert d["spec"]["hypothesis"] == "One more block helps."
+    assert d["spec"]["parent"] == lab.repo.master().hash[:12]
+    assert "-DEPTH = 8 " in d["spec"]["diff"] and "+DEPTH = 9 " in d["spec"]["diff"]
+    assert "diff: |" in out.out, "the diff is a readable literal block"
+    assert cli.main(["worktree", "--lab", str(lab.root)]) == 0
+    assert "deeper" in capsys.readouterr().out
+    assert cli.main(["worktree", "deeper", "--rm", "--lab", str(lab.root)]) == 0
+    assert not scratch.exists()
+    assert "scratch/deeper" not in git(lab, "worktree", "list")

@@ -43,7 +43,10 @@ def bench(tmp_path_factory):
                 "AUTOLAB_TIME_BUDGET", "AUTOLAB_PREPARE_FAULT", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
         mp.delenv(var, raising=False)
     mp.syspath_prepend(str(BENCH))
-    prepare = importlib.reload(sys.modules["prepare"]) if "prepare" in sys.modules else importlib.import_module("prepare")
+    if "prepare" in sys.modules:  # imported earlier with other settings
+        prepare = importlib.reload(sys.modules["prepare"])
+    else:
+        prepare = importlib.import_module("prepare")
     spec = importlib.util.spec_from_file_location("autolab_bench_run", BENCH / "run.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
@@ -108,7 +111,7 @@ def test_synthetic_candidate_succeeds_with_the_harness_metric_below_an_untrained
     assert 0 < result["metrics"]["training_seconds"] <= BUDGET + 60
     assert len(bench.run.compact(result).encode()) <= 4096
     log = (tmp_path / "run.log").read_text()
-    assert "step 00005 | loss" in log and log.rstrip().splitlines()[-1].startswith("AUTOLAB_RESULT ")
+    assert "step 00001 | loss" in log and log.rstrip().splitlines()[-1].startswith("AUTOLAB_RESULT ")
 
 
 def test_run_by_hand_prints_the_summary_block(bench, tmp_path):
@@ -348,6 +351,18 @@ def test_a_candidate_that_edits_the_harness_is_void(bench, tmp_path):
     )
     result = json.loads((tmp_path / "r.json").read_text())
     assert cli.returncode == 3 and result["status"] == "failed" and "prepare.py" in result["reason"]
+
+
+def test_a_candidate_that_edits_the_validation_data_is_void(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOLAB_CACHE", str(tmp_path / "cache"))  # this test spoils its cache
+    candidate = write_candidate(tmp_path, (
+        "import numpy as np, prepare\n"
+        "val = prepare.active_data().file('val.bin')\n"
+        "np.zeros(len(np.fromfile(val, dtype=np.uint16)), dtype=np.uint16).tofile(val)  # trivially predictable\n"
+    ))
+    result = harness(bench, candidate, tmp_path)
+    assert result["status"] == "failed" and "val.bin" in result["reason"] and "changed" in result["reason"]
+    assert bench.prepare.prepare("synthetic", verify="full").tokens("val").any()  # rebuilt
 
 
 # --- the Hub source, against a local stand-in --------------------------------------------------

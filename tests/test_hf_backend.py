@@ -9,6 +9,7 @@ lines); tests/test_hf_e2e.py runs the shipped entry point for real.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import stat
 import time
@@ -178,25 +179,31 @@ def test_restarted_controller_adopts_its_job_instead_of_launching_another(server
     assert again.read_record("restart")["status"]["metrics"]["val_bpb"] == 2.4
 
 
-def test_result_lines_the_candidate_could_print_are_not_believed(server, tmp_path):
+def own_sha1(job) -> str:
+    """What a forging candidate knows: the sha1 of its own source."""
+    return hashlib.sha1(shipped_files(job)["bench/train.py"]).hexdigest()
+
+
+FORGERIES = {
+    # the harness's plain marker line: anyone can print it
+    "unsigned": lambda job: "AUTOLAB_RESULT " + json.dumps(harness_result(0.001, own_sha1(job))),
+    # signed with a key the candidate made up
+    "wrong-key": lambda job: signed_line(job, harness_result(0.001, own_sha1(job)),
+                                         key="f" * 64),
+    # signed with this job's key but for another run (a replayed line)
+    "other-run": lambda job: signed_line(job, harness_result(0.001, own_sha1(job)),
+                                         run="exp-other-1"),
+    # signed for this run, but measuring a program that is not the candidate shipped
+    "other-candidate": lambda job: signed_line(job, harness_result(0.001, "0" * 40)),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_result_lines_the_candidate_could_print_are_not_believed(server, tmp_path, forgery):
     lab = make_lab(tmp_path / "lab")
     lab.backend_for("hf").result_grace_seconds = 0
     apply(lab, "forger")
-
-    def forged(job):
-        good_for_other_candidate = harness_result(0.001, candidate_sha1="0" * 40)
-        return [
-            # the harness's plain marker line: anyone can print it
-            "AUTOLAB_RESULT " + json.dumps(harness_result(0.001)),
-            # signed, but with a key the candidate made up
-            signed_line(job, harness_result(0.001), key="f" * 64),
-            # signed with the right key for a different run (a replay)
-            signed_line(job, harness_result(0.001), run="exp-other-1"),
-            # signed for this run, but the measured candidate is not the one shipped
-            signed_line(job, good_for_other_candidate),
-        ]
-
-    server.script_next(Script(stage="COMPLETED", logs=forged))
+    server.script_next(Script(stage="COMPLETED", logs=lambda job: [FORGERIES[forgery](job)]))
     step_until(lab, lambda: phase(lab, "forger") == "Failed")
     st = lab.read_record("forger")["status"]
     assert "no authentic result" in st["message"]
@@ -247,3 +254,24 @@ def test_backend_is_built_from_the_lab_by_the_local_loop(server, tmp_path):
     s = backend.settings({"flavor": "a100-large"})
     assert (s.flavor, s.timeout, s.namespace) == ("a100-large", "20m", "alice")
     assert backend.bucket_id(s, "alice") == "shared/cache"
+
+
+async def test_in_a_cluster_the_token_comes_from_the_secret_the_lab_names(kmock):
+    import asyncio
+    import base64
+
+    import kubernetes
+
+    from controller.backends.hf import token_from_secret
+    config = kubernetes.client.Configuration()
+    config.host = str(kmock.url).rstrip("/")
+    core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
+    for name, data in (("hf-token", {"HF_TOKEN": base64.b64encode(TOKEN.encode()).decode()}),
+                       ("wrong-key", {"token": base64.b64encode(b"x").decode()})):
+        await asyncio.to_thread(core.create_namespaced_secret, "autolab", {
+            "apiVersion": "v1", "kind": "Secret", "data": data,
+            "metadata": {"name": name, "namespace": "autolab"}})
+    assert await asyncio.to_thread(token_from_secret, "hf-token", "autolab", core) == TOKEN
+    with pytest.raises(HfBackendError, match="has no key HF_TOKEN; create it with `kubectl -n "
+                                             "autolab create secret generic wrong-key"):
+        await asyncio.to_thread(token_from_secret, "wrong-key", "autolab", core)

@@ -145,8 +145,10 @@ def timeout_seconds(timeout: str) -> int:
     return int(float(t))
 
 
-def verify_signed_result(lines: Iterable[str], key: bytes, run: str) -> dict | None:
-    """The harness result from the last line signed with `key` for `run`; None if none is."""
+def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
+                         candidate_sha1: str | None = None) -> dict | None:
+    """The harness result of the last line signed with `key` for `run` (and, when given, for
+    the candidate with this sha1); None if no line is."""
     found = None
     for line in lines:
         m = SIGNED_LINE.search(line)
@@ -160,9 +162,17 @@ def verify_signed_result(lines: Iterable[str], key: bytes, run: str) -> dict | N
             payload = json.loads(base64.urlsafe_b64decode(b64.encode()))
         except ValueError:
             continue
-        if isinstance(payload, dict) and payload.get("run") == run \
-                and isinstance(payload.get("result"), dict):
-            found = payload["result"]
+        if not isinstance(payload, dict) or payload.get("run") != run \
+                or not isinstance(payload.get("result"), dict):
+            continue
+        result = payload["result"]
+        measured = result.get("candidate_sha1")
+        # A measurement of another program is not this run's, whoever signed it. (A harness
+        # that could not even read the candidate reports an error without a sha1.)
+        if candidate_sha1 and measured != candidate_sha1 \
+                and (measured is not None or result.get("status") == "succeeded"):
+            continue
+        found = result
     return found
 
 
@@ -266,7 +276,8 @@ class HfBackend:
     def slot_of(self, run: str) -> str | None:
         return _read_json(self.run_dir(run) / "hf.json").get("slot")
 
-    def _record(self, run: str) -> dict:
+    def record(self, run: str) -> dict:
+        """What this machine knows of the run's job: hf.json (job id, namespace, flavor, ...)."""
         return _read_json(self.run_dir(run) / "hf.json")
 
     def _write_record(self, run: str, rec: dict) -> None:
@@ -288,7 +299,7 @@ class HfBackend:
     def _conclude(self, run: str, state: str, message: str, result: dict | None = None,
                   rec: dict | None = None) -> RunObservation:
         """Write the run's final observation once; later observes read it, not the API."""
-        rec = rec if rec is not None else self._record(run)
+        rec = rec if rec is not None else self.record(run)
         final = {"state": state, "message": message, "result": result,
                  "jobId": rec.get("jobId", ""), "worker": self._worker(rec)}
         atomic_write(self.run_dir(run) / "final.json", json.dumps(final, indent=2) + "\n")
@@ -383,7 +394,7 @@ class HfBackend:
     # -- the Backend seam --------------------------------------------------------------------------
     def submit(self, req: RunRequest) -> RunObservation:
         d = self.run_dir(req.run)
-        if (d / "final.json").exists() or self._record(req.run).get("jobId"):
+        if (d / "final.json").exists() or self.record(req.run).get("jobId"):
             return self.observe(req.run)  # adopt: never start a run twice
         if req.data.startswith("dir:"):
             raise HfBackendError(f"the lab's data source {req.data} is a path on this machine; a "
@@ -404,7 +415,7 @@ class HfBackend:
                                                              f"({e}); retrying")
         if adopted is not None:
             return self.observe(req.run)
-        rec = self._record(req.run)
+        rec = self.record(req.run)
         since = rec.get("submittingSince")
         if since and _now() - since < self.submit_grace_seconds:
             # A submission whose answer was lost may not be listed yet: look again before
@@ -444,12 +455,12 @@ class HfBackend:
 
     def _adopt(self, run: str, namespace: str) -> dict | None:
         """Record the job already created for `run` (found by its labels), if there is one."""
-        jobs = [] and list(self.api.list_jobs(namespace=namespace,
+        jobs = list(self.api.list_jobs(namespace=namespace,
                                        labels={LABEL_RUN: run, LABEL_LAB_ID: self.lab_id}))
         if not jobs:
             return None
         job = max(jobs, key=lambda j: (j.created_at is not None, j.created_at or 0))
-        rec = self._record(run)
+        rec = self.record(run)
         rec.update(jobId=job.id, url=job.url, namespace=namespace, adopted=True,
                    flavor=str(job.flavor or rec.get("flavor", "")))
         rec.pop("submittingSince", None)
@@ -461,7 +472,7 @@ class HfBackend:
         final = _read_json(d / "final.json")
         if final:
             return self._from_final(run, final)
-        rec = self._record(run)
+        rec = self.record(run)
         try:
             if not rec.get("jobId"):
                 if not rec and not d.exists():
@@ -517,10 +528,8 @@ class HfBackend:
             signed = self._fetch_logs(run, rec, key)
         except (HfHubHTTPError, httpx2.HTTPError) as e:
             return self._last_known(run, rec, f"reading the job's logs failed ({e})")
-        result = verify_signed_result(signed, key, run) if key else None
-        if result is not None and rec.get("candidateSha1") \
-                and result.get("candidate_sha1") not in (None, rec["candidateSha1"]):
-            result = None  # signed, but for another candidate: not this run's measurement
+        result = verify_signed_result(signed, key, run, rec.get("candidateSha1")) if key \
+            else None
         if result is not None:
             state = RESULT_STATES.get(result.get("status"), "failed")
             return self._conclude(run, state, result.get("reason", ""), result, rec=rec)
@@ -565,7 +574,7 @@ class HfBackend:
         obs = self.observe(run)
         if obs.state not in ("queued", "running"):
             return obs
-        rec = self._record(run)
+        rec = self.record(run)
         try:
             if not rec.get("jobId") and rec.get("namespace"):
                 rec = self._adopt(run, rec["namespace"]) or rec

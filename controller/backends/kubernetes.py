@@ -66,6 +66,7 @@ DEADLINE_ALLOWANCE = 1800  # data preparation on first use, compilation, evaluat
 DEFAULT_BACKOFF_LIMIT = 2
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GPU = "nvidia.com/gpu"
+RUN_UID = 10001  # bench/Dockerfile's user
 
 
 def surface_configmap_name(run: str) -> str:
@@ -143,6 +144,9 @@ class KubernetesBackend:
             cache = {"name": "cache", "persistentVolumeClaim": {"claimName": k["cachePVC"]}}
         pod: dict[str, Any] = {
             "restartPolicy": "Never",
+            # The run image's user; fsGroup makes the cache volume writable for it.
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_UID, "runAsGroup": RUN_UID,
+                                "fsGroup": RUN_UID},
             "containers": [container],
             "volumes": [{"name": "candidate",
                          "configMap": {"name": surface_configmap_name(req.run)}}, cache],

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Measure the benchmark on a GPU machine (default profile), as bench/RESULTS.md records it.
+#
+#   bench/perf/gpu_bench.sh BUDGET RUNS [MKCORPUS]
+#
+# 1. builds the offline corpus from this machine's Python site-packages with mkcorpus.py
+#    (climbmix-layout parquet, --max-mb 1500), unless it exists;
+# 2. prepares it (tokenizer + uint16 shards) in $AUTOLAB_CACHE, timed;
+# 3. runs the harness RUNS times on bench/train.py with the given training budget,
+#    the compile cache kept in $AUTOLAB_CACHE, so run 2+ start warm;
+# 4. prints one summary line per run: val_bpb, tokens/s, MFU, start-up overhead.
+set -euo pipefail
+BUDGET=${1:-300}; RUNS=${2:-2}; MKCORPUS=${3:-../shared/tools/mkcorpus.py}
+PY=${PYTHON:-python3}
+SITE=$($PY -c "import site; print(site.getsitepackages()[0])")
+DATA=${AUTOLAB_GPU_DATA:-/tmp/autolab-corpus}
+export AUTOLAB_CACHE=${AUTOLAB_CACHE:-/tmp/autolab-cache}
+OUTDIR=${OUT:-/tmp/autolab-gpu-out}
+mkdir -p "$OUTDIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+if [ ! -f "$DATA/shard_06542.parquet" ]; then
+  t0=$(date +%s)
+  $PY "$MKCORPUS" "$SITE" "$DATA" --max-mb 1500
+  echo "mkcorpus: $(( $(date +%s) - t0 )) s"
+fi
+t0=$(date +%s)
+$PY bench/prepare.py --source "dir:$DATA"
+echo "prepare: $(( $(date +%s) - t0 )) s"
+for i in $(seq "$RUNS"); do
+  $PY bench/run.py --candidate bench/train.py --result "$OUTDIR/result-$i.json" \
+      --source "dir:$DATA" --budget "$BUDGET" --log "$OUTDIR/log-$i.txt" \
+      --termination-log "$OUTDIR/termination-$i.json" > /dev/null 2>&1 || true
+  $PY - "$OUTDIR/result-$i.json" "$i" <<'PYEOF'
+import json, re, sys
+r = json.load(open(sys.argv[1])); m = r.get("metrics") or {}
+src = open("bench/train.py").read()
+untimed = int(re.search(r"^UNTIMED_STEPS = (\d+)", src, re.M).group(1))
+batch = eval(re.search(r"^TOTAL_BATCH_TOKENS = ([^#\n]+)", src, re.M).group(1))
+if r["status"] != "succeeded":
+    print(f"run {sys.argv[2]}: {r['status']}: {r.get('reason')}"); sys.exit(0)
+tps = (m["num_steps"] - untimed) * batch / m["training_seconds"]  # timed steps only
+print(f"run {sys.argv[2]}: val_bpb {m['val_bpb']:.6f} | training {m['training_seconds']:.1f} s | "
+      f"total {m['total_seconds']:.1f} s | outside training {m['total_seconds'] - m['training_seconds']:.1f} s | "
+      f"tokens/s {tps / 1e6:.3f} M | mfu {m['mfu_percent']:.2f} % | "
+      f"steps {m['num_steps']} | peak VRAM {m['peak_vram_mb']:.0f} MiB | params {m['num_params_M']:.1f} M")
+PYEOF
+done

@@ -1,0 +1,216 @@
+"""The operator at scale: 1,000 Experiments created at once against the API emulator.
+
+The API server is `python -m controller.emulator` in a process of its own; the
+operator (real kopf, the real Kubernetes client) runs in this process, so the
+memory figures are the operator's plus a small client. Every Experiment is a
+real diff against bench/train.py with a distinct candidate, so each goes
+through every pre-run check (git worktree, apply, commit, compile, hashes,
+duplicate lookup) before its Job is created. The Lab leaves queueing to the
+cluster (no gpuSlots), so every Experiment gets a Job.
+
+Prints: time from create to Job created (p50, p95, max), Jobs per second,
+handler time per event by kind (p50, p95, max), and the operator's RSS.
+
+    .venv/bin/python bench/perf/operator_bench.py [--experiments 1000] [--resync 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import kopf  # noqa: E402
+import yaml  # noqa: E402
+from kubernetes import client as k8s, watch  # noqa: E402
+
+from controller.cli import init_lab  # noqa: E402
+from controller.core.hashing import candidate_hash  # noqa: E402
+from controller.crds import render  # noqa: E402
+from controller.operator import Operator, OperatorConfig, register  # noqa: E402
+
+NS = "autolab"
+
+
+def rss_mb() -> tuple[float, float]:
+    """(current, peak) resident set size of this process, in MiB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+                  if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def start_emulator() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "controller.emulator"], cwd=str(REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    url = proc.stdout.readline().strip()
+    if not url.startswith("http"):
+        raise SystemExit(f"the emulator did not start (said {url!r})")
+    return proc, url
+
+
+def start_operator(url: str, lab_root: Path, resync: float) -> tuple[Operator, callable]:
+    op = Operator(OperatorConfig(lab_root=lab_root, resync_seconds=resync, server=url,
+                                 scanning=False, watch_timeout=None))
+    registry = register(op, kopf.OperatorRegistry())
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    task = loop.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
+                                          ready_flag=ready))
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            pass
+
+    thread = threading.Thread(target=run, name="kopf", daemon=True)
+    thread.start()
+    if not ready.wait(60):
+        raise SystemExit("the operator did not start")
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(60)
+    return op, stop
+
+
+def experiments(n: int) -> list[dict]:
+    source = (REPO / "bench" / "train.py").read_text()
+    parent = candidate_hash(source)[:12]
+    out = []
+    for i in range(n):
+        changed = source.replace("SEED = 42", f"SEED = {1000 + i}", 1)
+        diff = "".join(difflib.unified_diff(source.splitlines(True), changed.splitlines(True),
+                                            "a/train.py", "b/train.py"))
+        out.append({"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+                    "metadata": {"name": f"seed-{i:04d}", "namespace": NS},
+                    "spec": {"lab": "default", "campaign": "bench", "parent": parent,
+                             "hypothesis": f"Seed {1000 + i} is as good as any.", "diff": diff}})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiments", type=int, default=1000)
+    p.add_argument("--resync", type=float, default=30.0, help="the operator's timer (seconds)")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--json", help="also write the figures here")
+    a = p.parse_args()
+
+    emulator, url = start_emulator()
+    tmp = Path(tempfile.mkdtemp(prefix="autolab-operator-bench-"))
+    try:
+        api = k8s.ApiClient(k8s.Configuration(host=url))
+        ext, custom = k8s.ApiextensionsV1Api(api), k8s.CustomObjectsApi(api)
+        for text in render().values():
+            doc = yaml.safe_load(text)
+            if doc.get("kind") == "CustomResourceDefinition":
+                ext.create_custom_resource_definition(doc)
+        lab = init_lab(tmp / "labs" / "default", profile="tiny", data="synthetic")
+        lab.repo.set_master_metric(1.0)  # measured already: no baseline run in the way
+        rss_before, _ = rss_mb()
+        op, stop = start_operator(url, tmp / "labs", a.resync)
+        custom.create_namespaced_custom_object("autolab.dev", "v1alpha1", NS, "labs", {
+            "apiVersion": "autolab.dev/v1alpha1", "kind": "Lab",
+            "metadata": {"name": "default", "namespace": NS},
+            "spec": {"backend": "kubernetes", "profile": "tiny", "data": "synthetic",
+                     "kubernetes": {"image": "autolab-bench:bench"}}})
+        specs = experiments(a.experiments)
+
+        seen: dict[str, float] = {}
+        done = threading.Event()
+
+        def watch_jobs() -> None:
+            batch = k8s.BatchV1Api(k8s.ApiClient(k8s.Configuration(host=url)))
+            for ev in watch.Watch().stream(batch.list_namespaced_job, NS):
+                name = ev["raw_object"]["metadata"]["name"]
+                seen.setdefault(name, time.perf_counter())
+                if len(seen) >= len(specs) or done.is_set():
+                    return
+
+        watcher = threading.Thread(target=watch_jobs, daemon=True)
+        watcher.start()
+        created: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for doc in specs:
+            custom.create_namespaced_custom_object("autolab.dev", "v1alpha1", NS, "experiments",
+                                                   doc)
+            created[f"exp-{doc['metadata']['name']}-1"] = time.perf_counter()
+        t_created = time.perf_counter() - t0
+        peak_during = 0.0
+        while len(seen) < len(specs) and time.perf_counter() - t0 < a.timeout:
+            time.sleep(0.5)
+            peak_during = max(peak_during, rss_mb()[0])
+            print(f"\r{len(seen)}/{len(specs)} Jobs after {time.perf_counter() - t0:.0f} s",
+                  end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        t_all = time.perf_counter() - t0
+        # A little steady state: the timer passes over runs in flight.
+        settle = min(2 * a.resync + 5, 90)
+        time.sleep(settle)
+        rss_now, rss_peak = rss_mb()
+        done.set()
+        stop()
+        latency = [seen[n] - created[n] for n in created if n in seen]
+        timings: dict[str, list[float]] = {}
+        for t in op.timings:
+            timings.setdefault(t.handler, []).append(t.seconds)
+        figures = {
+            "experiments": len(specs), "jobs": len(latency),
+            "create_seconds": round(t_created, 2), "all_jobs_seconds": round(t_all, 2),
+            "jobs_per_second": round(len(latency) / t_all, 2),
+            "create_to_job_p50_s": round(pct(latency, 0.5), 2),
+            "create_to_job_p95_s": round(pct(latency, 0.95), 2),
+            "create_to_job_max_s": round(max(latency), 2) if latency else None,
+            "handlers": {k: {"events": len(v), "p50_ms": round(1000 * pct(v, 0.5), 1),
+                             "p95_ms": round(1000 * pct(v, 0.95), 1),
+                             "max_ms": round(1000 * max(v), 1),
+                             "mean_ms": round(1000 * statistics.fmean(v), 1)}
+                         for k, v in sorted(timings.items())},
+            "rss_mb_before_operator": round(rss_before, 1),
+            "rss_mb_end": round(rss_now, 1), "rss_mb_peak": round(rss_peak, 1),
+            "resync_seconds": a.resync, "steady_state_seconds": settle,
+            "cpus": os.cpu_count(),
+        }
+        print(f"{len(latency)} of {len(specs)} Experiments got their Job "
+              f"({t_all:.1f} s in all; creating them took {t_created:.1f} s)")
+        print(f"create -> Job created: p50 {figures['create_to_job_p50_s']} s, "
+              f"p95 {figures['create_to_job_p95_s']} s, max {figures['create_to_job_max_s']} s; "
+              f"{figures['jobs_per_second']} Jobs/s")
+        print("handler time per event:")
+        for k, v in figures["handlers"].items():
+            print(f"  {k:<10} {v['events']:>6} events  p50 {v['p50_ms']:>8.1f} ms  "
+                  f"p95 {v['p95_ms']:>8.1f} ms  max {v['max_ms']:>8.1f} ms")
+        print(f"operator RSS: {rss_before:.0f} MiB before it started, {rss_now:.0f} MiB with "
+              f"{len(specs)} Experiments in flight, peak {rss_peak:.0f} MiB")
+        if a.json:
+            Path(a.json).write_text(json.dumps(figures, indent=1) + "\n")
+        return 0 if len(latency) == len(specs) else 1
+    finally:
+        emulator.terminate()
+        emulator.wait(10)
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

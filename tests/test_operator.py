@@ -1,0 +1,488 @@
+"""The operator in a cluster: real kopf and the real Kubernetes client against an API emulator.
+
+The tests play the parts of a cluster that are not the API server: they
+create the Pod a Job would get and mark it running, then terminated with the
+harness's result in its termination message, as the kubelet would. Everything
+else is the operator's own code path: the lab repo made by `init_lab`, a diff
+against the real bench/train.py, the master ConfigMap, the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import kmock
+import kopf
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from controller.cluster import sync_repo_master
+from controller.core.hashing import candidate_hash
+from controller.core.reconcile import baseline_run_name
+from controller.crds import render
+from controller.emulator import Emulator
+from controller.labrepo import LabRepo
+from controller.ledger import Ledger
+from controller.operator import Operator, OperatorConfig, register
+
+REPO = Path(__file__).resolve().parents[1]
+NS = "autolab"
+EXP = "autolab.dev/v1alpha1/experiments"
+JOBS = "batch/v1/jobs"
+CMS = "v1/configmaps"
+IMAGE = "registry.example/autolab-bench:1"
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+class Cluster:
+    """The emulator, a client for the test's own calls, and helpers to play the kubelet."""
+
+    def __init__(self, em: Emulator, url: str, api: k8s.ApiClient, root: Path):
+        self.em = em
+        self.url = url
+        self.api = api
+        self.root = root
+        self.core = k8s.CoreV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+
+    async def call(self, fn: Callable, *args: Any, **kw: Any) -> Any:
+        # The emulator serves on this event loop: blocking calls go to a thread.
+        return await asyncio.to_thread(fn, *args, **kw)
+
+    async def apply(self, plural: str, doc: dict) -> dict:
+        return await self.call(self.custom.create_namespaced_custom_object, "autolab.dev",
+                               "v1alpha1", NS, plural, doc)
+
+    async def delete(self, plural: str, name: str) -> None:
+        await self.call(self.custom.delete_namespaced_custom_object, "autolab.dev", "v1alpha1",
+                        NS, plural, name)
+
+    def get(self, resource: str, name: str) -> dict | None:
+        return self.em.get(resource, NS, name)
+
+    def phase(self, name: str) -> str | None:
+        obj = self.get(EXP, name)
+        return ((obj or {}).get("status") or {}).get("phase")
+
+    async def until(self, what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            value = check()
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    async def start_pod(self, job_name: str, node: str = "gpu-node-1") -> str:
+        """Create the Pod the Job controller would, scheduled and running."""
+        job = self.get(JOBS, job_name)
+        assert job is not None, f"no Job {job_name}"
+        name = f"{job_name}-x7k2p"
+        template = job["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": NS,
+                            "labels": {**template["metadata"]["labels"], "job-name": job_name,
+                                       "batch.kubernetes.io/job-name": job_name},
+                            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
+                                                 "name": job_name,
+                                                 "uid": job["metadata"]["uid"],
+                                                 "controller": True}]},
+               "spec": {**template["spec"], "nodeName": node},
+               "status": {"phase": "Running", "containerStatuses": [{
+                   "name": "run", "image": IMAGE, "imageID": "", "ready": True,
+                   "restartCount": 0, "state": {"running": {"startedAt": "2026-11-29T10:00:00Z"}}}]}}
+        await self.call(self.core.create_namespaced_pod, NS, pod)
+        return name
+
+    async def finish_pod(self, pod: str, result: dict, exit_code: int) -> None:
+        """The container exits; the harness's result is its termination message."""
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+        await self.call(self.core.patch_namespaced_pod_status, pod, NS, {"status": {
+            "phase": phase, "containerStatuses": [{
+                "name": "run", "image": IMAGE, "imageID": "", "ready": False, "restartCount": 0,
+                "state": {"terminated": {"exitCode": exit_code, "reason": "Completed" if
+                                         exit_code == 0 else "Error",
+                                         "message": json.dumps(result)}}}]}},
+                        _content_type="application/merge-patch+json")
+
+    def ledger(self, lab: str = "default") -> list[dict]:
+        return Ledger(self.root / lab / "research" / "results.tsv").rows()
+
+    def operator_requests(self) -> list[Any]:
+        return [r for r in self.em.requests
+                if (r.headers.get("User-Agent") or "").startswith(("kopf/", "autolab-operator"))]
+
+
+@pytest.fixture()
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with Emulator() as em, kmock.Server(em) as server:
+        url = str(server.url).rstrip("/")
+        api = k8s.ApiClient(k8s.Configuration(host=url))
+        ext = k8s.ApiextensionsV1Api(api)
+        for name, text in render().items():  # the CRDs, installed as kubectl apply -k crds/ would
+            doc = yaml.safe_load(text)
+            if doc.get("kind") == "CustomResourceDefinition":
+                await asyncio.to_thread(ext.create_custom_resource_definition, doc)
+        yield Cluster(em, url, api, tmp_path / "labs")
+        api.close()
+
+
+@contextlib.asynccontextmanager
+async def operator(c: Cluster) -> AsyncIterator[Operator]:
+    """A real kopf operator, on its own event loop in a thread, talking HTTP to the emulator.
+
+    Stopping it cancels it, as a crash would; its handler threads are waited for, so nothing
+    of it is left writing when the next one starts.
+    """
+    op = Operator(OperatorConfig(lab_root=c.root, resync_seconds=0.3, retry_seconds=0.3,
+                                 server=c.url, scanning=False, watch_timeout=None))
+    registry = register(op, kopf.OperatorRegistry())
+    settings = kopf.OperatorSettings()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    task = loop.create_task(kopf.operator(registry=registry, settings=settings,
+                                          standalone=True, namespaces=[NS], ready_flag=ready))
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    thread = threading.Thread(target=run, name="kopf", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 30), "the operator did not start"
+    try:
+        yield op
+    finally:
+        loop.call_soon_threadsafe(task.cancel)
+        await asyncio.to_thread(thread.join, 30)
+        await asyncio.to_thread(settings.execution.executor.shutdown, True)
+
+
+# --- the specs ----------------------------------------------------------------------------------
+
+SURFACE = (REPO / "bench" / "train.py").read_text()
+SEED_HASH = candidate_hash(SURFACE)
+
+
+def edit(old: str, new: str) -> str:
+    assert old in SURFACE, f"{old!r} is not in bench/train.py any more; update the test"
+    changed = SURFACE.replace(old, new, 1)
+    return "".join(difflib.unified_diff(SURFACE.splitlines(True), changed.splitlines(True),
+                                        "a/train.py", "b/train.py"))
+
+
+def experiment(name: str, old: str, new: str, **spec: Any) -> dict:
+    return {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"lab": "default", "campaign": "operator-test",
+                     "hypothesis": f"{new} trains better in the same budget.",
+                     "parent": SEED_HASH[:12], "diff": edit(old, new), **spec}}
+
+
+LAB = {"apiVersion": "autolab.dev/v1alpha1", "kind": "Lab",
+       "metadata": {"name": "default", "namespace": NS},
+       "spec": {"backend": "kubernetes", "profile": "tiny", "data": "synthetic",
+                "budgetSeconds": 60, "capacity": {"gpuSlots": 2},
+                "kubernetes": {"image": IMAGE, "cachePVC": "autolab-cache", "backoffLimit": 2,
+                               "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                "effect": "NoSchedule"}],
+                               "priorityClassName": "autolab-runs"}}}
+
+
+def result(val_bpb: float | None, status: str = "succeeded", reason: str = "") -> dict:
+    out: dict[str, Any] = {"version": 1, "status": status, "reason": reason,
+                           "exit_code": 0 if status == "succeeded" else 1,
+                           "candidate_sha1": "0" * 40, "profile": "tiny", "source": "synthetic",
+                           "curve": None}
+    if val_bpb is not None:
+        out["metrics"] = {"val_bpb": val_bpb, "training_seconds": 60.1, "total_seconds": 75.0,
+                          "peak_vram_mb": 1024.0, "mfu_percent": 12.5, "total_tokens_M": 3.2,
+                          "num_steps": 120, "num_params_M": 1.5, "depth": 2}
+    return out
+
+
+def seed_lab(root: Path, val_bpb: float) -> None:
+    """A lab repo whose master was measured already (`autolab init` + a baseline)."""
+    from controller.cli import init_lab
+
+    lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default")
+    lab.repo.set_master_metric(val_bpb)
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+async def test_experiment_runs_as_a_gpu_job_and_its_result_is_recorded_and_promoted(cluster):
+    c = cluster
+    async with operator(c):
+        await c.apply("labs", LAB)
+        # The master has no metric yet: its baseline runs first, as a Job of its own.
+        master = await c.until("the master ConfigMap", lambda: c.get(CMS, "default-master"))
+        doc = json.loads(master["data"]["master.json"])
+        assert doc["hash"] == SEED_HASH and doc["val_bpb"] is None
+        assert master["data"]["train.py"] == SURFACE
+        baseline = baseline_run_name(LabRepo(c.root / "default", _lab_spec()).master())
+        await c.until("the baseline Job", lambda: c.get(JOBS, baseline))
+        await c.apply("experiments", experiment("higher-lr", "MATRIX_LR = 0.02",
+                                                "MATRIX_LR = 0.03"))
+        await c.until("the experiment to wait for the baseline", lambda: any(
+            cond.get("reason") == "WaitingForBaseline"
+            for cond in (c.get(EXP, "higher-lr") or {}).get("status", {}).get("conditions", [])))
+        assert c.get(JOBS, "exp-higher-lr-1") is None
+        pod = await c.start_pod(baseline)
+        await c.finish_pod(pod, result(1.0), exit_code=0)
+        await c.until("the baseline metric in the master ConfigMap", lambda: json.loads(
+            c.get(CMS, "default-master")["data"]["master.json"])["val_bpb"] == 1.0)
+
+        # Now the experiment gets its Job: a GPU, the candidate mounted, the failure policy.
+        job = await c.until("the experiment's Job", lambda: c.get(JOBS, "exp-higher-lr-1"))
+        exp = c.get(EXP, "higher-lr")
+        assert exp["status"]["phase"] == "Queued"
+        assert exp["status"]["job"]["name"] == "exp-higher-lr-1"
+        assert job["metadata"]["ownerReferences"][0]["uid"] == exp["metadata"]["uid"]
+        assert job["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "autolab"
+        assert job["metadata"]["labels"]["autolab.dev/experiment"] == "higher-lr"
+        spec = job["spec"]
+        assert spec["backoffLimit"] == 2 and spec["activeDeadlineSeconds"] == 60 + 1800
+        assert spec["podFailurePolicy"]["rules"][0] == {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "run", "operator": "In", "values": [3]}}
+        assert spec["podFailurePolicy"]["rules"][1]["onPodConditions"] == [
+            {"type": "DisruptionTarget"}]
+        pod_spec = spec["template"]["spec"]
+        assert pod_spec["restartPolicy"] == "Never"
+        assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert pod_spec["priorityClassName"] == "autolab-runs"
+        (container,) = pod_spec["containers"]
+        assert container["image"] == IMAGE
+        assert container["resources"] == {"requests": {"nvidia.com/gpu": "1"},
+                                          "limits": {"nvidia.com/gpu": "1"}}
+        assert container["terminationMessagePolicy"] == "File"
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod_spec["volumes"]}
+        assert mounts["candidate"]["readOnly"] is True
+        assert volumes["candidate"]["configMap"]["name"] == "exp-higher-lr-1-surface"
+        assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == "autolab-cache"
+        surface = c.get(CMS, "exp-higher-lr-1-surface")
+        assert surface["data"]["train.py"] == SURFACE.replace("MATRIX_LR = 0.02",
+                                                              "MATRIX_LR = 0.03", 1)
+
+        pod = await c.start_pod("exp-higher-lr-1")
+        await c.until("Running", lambda: c.phase("higher-lr") == "Running")
+        await c.finish_pod(pod, result(0.95), exit_code=0)
+        await c.until("Succeeded", lambda: c.phase("higher-lr") == "Succeeded")
+        st = c.get(EXP, "higher-lr")["status"]
+        assert st["outcome"] == "Promoted"
+        assert st["metrics"]["val_bpb"] == 0.95 and st["delta"] == pytest.approx(-0.05)
+        assert st["job"]["worker"] == f"k8s:gpu-node-1/{pod}"
+
+        # The ledger has its row; the master ConfigMap and the lab repo have the candidate.
+        rows = await c.until("the ledger row", lambda: {
+            r["run_id"]: r for r in c.ledger() if r["run_id"] == "exp-higher-lr-1"} and {
+            r["run_id"]: r for r in c.ledger()})
+        assert rows["exp-higher-lr-1"]["status"] == "succeeded"
+        assert rows["exp-higher-lr-1"]["promoted"] == "1"
+        assert rows[baseline]["status"] == "baseline" and rows[baseline]["val_bpb"] == "1.0"
+        master = c.get(CMS, "default-master")
+        doc = json.loads(master["data"]["master.json"])
+        assert doc["experiment"] == "higher-lr" and doc["val_bpb"] == 0.95
+        assert doc["hash"] == st["candidateHash"] == candidate_hash(master["data"]["train.py"])
+        assert json.loads(master["data"]["promotions.json"])[-1]["previous"]["val_bpb"] == 1.0
+        assert LabRepo(c.root / "default", _lab_spec()).master().hash == doc["hash"]
+        await c.until("the Lab's status to mirror the master", lambda: (
+            (c.get("autolab.dev/v1alpha1/labs", "default").get("status") or {})
+            .get("master", {}).get("val_bpb") == 0.95))
+        # The run's Job and its ConfigMap go once the result is recorded.
+        await c.until("the Job and its ConfigMap cleaned up", lambda: (
+            c.get(JOBS, "exp-higher-lr-1") is None
+            and c.get(CMS, "exp-higher-lr-1-surface") is None))
+        reasons = [e["reason"] for e in c.em.items("v1/events", NS)
+                   if e["involvedObject"]["name"] == "higher-lr"]
+        assert {"Submitted", "RunStarted", "Promoted"} <= set(reasons)
+
+        # A candidate that fails: exit code 3, the Job fails at once, Failed, recorded.
+        await c.apply("experiments", experiment("no-warmdown", "WARMDOWN_RATIO = 0.5",
+                                                "WARMDOWN_RATIO = 0.0"))
+        await c.until("its Job", lambda: c.get(JOBS, "exp-no-warmdown-1"))
+        pod = await c.start_pod("exp-no-warmdown-1")
+        await c.finish_pod(pod, result(None, "failed", "loss is NaN at step 12"), exit_code=3)
+        await c.until("Failed", lambda: c.phase("no-warmdown") == "Failed")
+        st = c.get(EXP, "no-warmdown")["status"]
+        assert st["reason"] == "CandidateFailed" and "NaN" in st["message"]
+        row = await c.until("its ledger row", lambda: {
+            r["run_id"]: r for r in c.ledger()}.get("exp-no-warmdown-1"))
+        assert row["status"] == "failed"
+
+        # Deleting a running experiment cancels its Job and records the cancellation.
+        await c.apply("experiments", experiment("deeper", "DEPTH = 8", "DEPTH = 10"))
+        await c.until("its Job", lambda: c.get(JOBS, "exp-deeper-1"))
+        await c.start_pod("exp-deeper-1")
+        await c.until("Running", lambda: c.phase("deeper") == "Running")
+        await c.delete("experiments", "deeper")
+        await c.until("the Experiment gone", lambda: c.get(EXP, "deeper") is None)
+        assert c.get(JOBS, "exp-deeper-1") is None
+        row = {r["run_id"]: r for r in c.ledger()}["exp-deeper-1"]
+        assert row["status"] == "cancelled" and row["experiment_id"] == "deeper"
+    _assert_rbac_allows(c.operator_requests())
+
+
+async def test_restarted_operator_adopts_its_job_and_records_the_result_once(cluster):
+    c = cluster
+    seed_lab(c.root, 1.0)  # measured already: no baseline run
+    await c.apply("labs", LAB)
+    await c.apply("experiments", experiment("warmdown-03", "WARMDOWN_RATIO = 0.5",
+                                            "WARMDOWN_RATIO = 0.3"))
+    async with operator(c):
+        job = await c.until("the Job", lambda: c.get(JOBS, "exp-warmdown-03-1"))
+    uid = job["metadata"]["uid"]
+    # The status write that followed the create is lost, as in a crash between the two.
+    await c.call(c.custom.patch_namespaced_custom_object_status, "autolab.dev", "v1alpha1", NS,
+                 "experiments", "warmdown-03", {"status": {"job": None, "phase": "Queued"}},
+                 _content_type="application/merge-patch+json")
+    async with operator(c):
+        await c.until("the Job adopted", lambda: (c.get(EXP, "warmdown-03")["status"]
+                                                  .get("job", {}).get("id") == uid))
+        pod = await c.start_pod("exp-warmdown-03-1")
+        await c.finish_pod(pod, result(1.02), exit_code=0)
+        await c.until("Succeeded", lambda: c.phase("warmdown-03") == "Succeeded")
+    async with operator(c):
+        await asyncio.sleep(1.5)  # a few resync periods of a third operator
+    creates = [r for r in c.em.requests if r.method == "POST" and r.resource is not None
+               and r.resource.plural == "jobs"]
+    assert len(creates) == 2, "the second operator tried once, got 409 and adopted"
+    assert c.get(EXP, "warmdown-03")["status"]["outcome"] == "Rejected"
+    assert [r["run_id"] for r in c.ledger()].count("exp-warmdown-03-1") == 1
+
+
+async def test_two_winners_finishing_together_promote_only_the_better_one(cluster):
+    c = cluster
+    seed_lab(c.root, 1.0)
+    await c.apply("labs", LAB)
+    async with operator(c):
+        await c.apply("experiments", experiment("lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"))
+        await c.apply("experiments", experiment("lr-04", "MATRIX_LR = 0.02", "MATRIX_LR = 0.04"))
+        await c.until("both Jobs", lambda: c.get(JOBS, "exp-lr-03-1") and c.get(JOBS, "exp-lr-04-1"))
+        pods = [await c.start_pod("exp-lr-03-1"), await c.start_pod("exp-lr-04-1")]
+        await asyncio.gather(c.finish_pod(pods[0], result(0.97), 0),
+                             c.finish_pod(pods[1], result(0.96), 0))
+        await c.until("both finished", lambda: c.phase("lr-03") == c.phase("lr-04") == "Succeeded")
+    master = json.loads(c.get(CMS, "default-master")["data"]["master.json"])
+    assert master["experiment"] == "lr-04" and master["val_bpb"] == 0.96
+    outcomes = {n: c.get(EXP, n)["status"]["outcome"] for n in ("lr-03", "lr-04")}
+    assert outcomes["lr-04"] == "Promoted"
+    # lr-03 either lost the race (Rejected) or was promoted first and then beaten by lr-04.
+    promotions = json.loads(c.get(CMS, "default-master")["data"]["promotions.json"])
+    assert [p["experiment"] for p in promotions][-1] == "lr-04"
+    assert all(p["val_bpb"] < p["previous"]["val_bpb"] for p in promotions)
+
+
+async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
+    c = cluster
+    seed_lab(c.root, 1.0)
+    await c.apply("labs", LAB)
+    async with operator(c):
+        await c.apply("experiments", experiment("first", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05"))
+        await c.until("its Job", lambda: c.get(JOBS, "exp-first-1"))
+        again = experiment("again", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # same idea")
+        await c.apply("experiments", again)
+        await c.until("Duplicate", lambda: c.phase("again") == "Duplicate")
+    assert c.get(EXP, "again")["status"]["duplicateOf"] == "first"
+    assert c.get(JOBS, "exp-again-1") is None
+
+
+ENTRYPOINTS = {
+    # The image's entrypoint (manifests/operator.yaml), configured from the environment.
+    "kopf run -m controller.operator": [sys.executable, "-m", "kopf", "run", "-m",
+                                        "controller.operator", "--standalone", f"--namespace={NS}"],
+    # The command people run.
+    "autolab operator": [str(Path(sys.executable).parent / "autolab"), "operator", "--standalone",
+                         f"--namespace={NS}", "--no-scanning", "--resync=0.5"],
+}
+
+
+@pytest.mark.parametrize("entrypoint", list(ENTRYPOINTS))
+async def test_operator_entrypoints_serve_a_lab(cluster, entrypoint):
+    c = cluster
+    env = {**os.environ, "AUTOLAB_KUBE_SERVER": c.url, "AUTOLAB_LAB_DIR": str(c.root),
+           "AUTOLAB_KOPF_SCANNING": "0", "AUTOLAB_RESYNC_SECONDS": "0.5"}
+    proc = await asyncio.create_subprocess_exec(
+        *ENTRYPOINTS[entrypoint], env=env, cwd=str(REPO), stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        await c.apply("labs", LAB)
+        await c.until("the master ConfigMap", lambda: c.get(CMS, "default-master"), timeout=60)
+        await c.until("the baseline Job", lambda: any(
+            j["metadata"]["name"].startswith("baseline-") for j in c.em.items(JOBS, NS)))
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode in (0, 130), err.decode()[-2000:]
+
+
+def test_repo_follows_a_master_configmap_it_has_never_seen(tmp_path):
+    """A fresh volume under an existing master ConfigMap: the repo adopts the ConfigMap's source."""
+    from controller.cli import init_lab
+    from controller.cluster import MasterRecord
+    from controller.core.hashing import semantic_hash
+
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    newer = SURFACE.replace("DEPTH = 8", "DEPTH = 6", 1)
+    rec = MasterRecord(doc={"hash": candidate_hash(newer), "semanticHash": semantic_hash(newer),
+                            "commit": "f" * 40, "val_bpb": 0.9, "experiment": "shallower",
+                            "parent": SEED_HASH, "promotedAt": "2026-11-29T10:00:00Z"},
+                       source=newer, promotions=[], resource_version="7")
+    assert sync_repo_master(lab.repo, rec) is True
+    m = lab.repo.master()
+    assert (m.hash, m.val_bpb, m.experiment) == (candidate_hash(newer), 0.9, "shallower")
+    assert lab.repo.master_source() == newer
+    assert sync_repo_master(lab.repo, rec) is False
+
+
+def _lab_spec():
+    from controller.core.spec import LabSpec
+
+    return LabSpec.from_dict(LAB["spec"])
+
+
+# --- RBAC: every call the operator made is one its Role or ClusterRole grants ------------------
+
+def _assert_rbac_allows(requests: list[Any]) -> None:
+    docs = list(yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()))
+    rules = [rule for d in docs if d and d["kind"] in ("Role", "ClusterRole")
+             for rule in d["rules"]]
+    assert requests, "the operator made no calls?"
+    denied = set()
+    for r in requests:
+        if r.resource is None or r.resource.group is None:
+            continue  # discovery (/api, /apis, /version): allowed to every authenticated user
+        if r.resource.plural is None:
+            continue
+        verb = {"GET": "get" if r.name else "list", "POST": "create", "PATCH": "patch",
+                "DELETE": "delete", "PUT": "update"}[str(r.method).split(".")[-1].upper()]
+        if r.params.get("watch") == "true":
+            verb = "watch"
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        if not any(r.resource.group in rule.get("apiGroups", [])
+                   and resource in rule.get("resources", []) and verb in rule.get("verbs", [])
+                   for rule in rules):
+            denied.add((r.resource.group, resource, verb))
+    assert not denied, f"manifests/rbac.yaml does not grant: {sorted(denied)}"
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
