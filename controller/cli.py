@@ -326,7 +326,7 @@ def cmd_logs(a) -> int:
     if not job:
         raise CliError(f"experiment {a.name!r} has no run (yet); see `autolab describe "
                        f"{a.name}`")
-    backend = lab.backends.get(job["backend"])
+    backend = lab.backend_for(job["backend"])
     path = backend.log_path(job["name"]) if hasattr(backend, "log_path") else None
     if path is None or not Path(path).exists():
         raise CliError(f"no log for run {job['name']} on this machine")

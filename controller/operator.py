@@ -784,8 +784,10 @@ def cmd_operator(a: Any) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     op = Operator(config)
     registry = register(op, kopf.OperatorRegistry())
+    # A peering name makes peering mandatory in kopf: name it only when there is peering.
     kopf.run(registry=registry, namespaces=[a.namespace], standalone=a.standalone,
-             peering_name=a.peering, priority=a.priority, liveness_endpoint=a.liveness)
+             peering_name=None if a.standalone else a.peering, priority=a.priority,
+             liveness_endpoint=a.liveness)
     return 0
 
 
