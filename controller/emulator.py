@@ -15,8 +15,10 @@ server does it:
 - creating a CustomResourceDefinition makes its resource discoverable, with
   the verbs and subresources it declares, so an operator started before the
   CRDs notices them as on a real cluster;
-- equality `labelSelector`s on lists (`a=b,c=d`), as the operator's own lists
-  of Pods rely on them;
+- watches that start after the `resourceVersion` a client listed, losing no
+  write made while the watch starts (kmock replays everything and may miss one);
+- equality `labelSelector`s on lists and watches (`a=b,c=d`), as the operator's
+  own lists of Pods and kopf's watches rely on them;
 - Pod logs (`pods/<name>/log`) from `logs[(namespace, name)]`, which a test fills
   in to play the kubelet.
 
@@ -36,6 +38,7 @@ import copy
 import datetime
 import secrets
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp.web
@@ -115,6 +118,10 @@ class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
                 self._on_create(request)
             elif request.action == kmock.action.UPDATE and request.data is not None:
                 self._on_update(request)
+            elif request.action == kmock.action.DELETE:
+                stored = self._stored(request)
+                if stored is not None:  # marking for deletion, or the deletion, is a write too
+                    stored["metadata"]["resourceVersion"] = self._next_revision()
             return await super()._handle(request)
 
     def _on_create(self, request: rendering.Request) -> None:
@@ -178,14 +185,46 @@ class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         listed = await super()._serve_list(request)
-        selector = request.params.get("labelSelector")
-        if selector:
-            wanted = dict(term.split("=", 1) for term in selector.replace("==", "=").split(","))
-            listed["items"] = [o for o in listed["items"]
-                               if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v
-                                      for k, v in wanted.items())]
+        listed["items"] = [o for o in listed["items"] if _selected(o, request)]
         listed["metadata"] = {"resourceVersion": str(self._revision)}
         return listed
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        """Changes after the `resourceVersion` asked for, none lost, none repeated.
+
+        kmock's watch replays every object and then follows its bus from the moment it
+        subscribes, so a write in between is lost and a client that watches from the
+        version it listed (as kopf does) sees stale objects again. Here the bus is
+        subscribed first, objects newer than the version asked for come next, and bus
+        events the client has seen already are skipped.
+        """
+        yield b""  # the headers go now: the client is watching even if nothing happens
+        bus = self._buses[request.resource]
+        mark = await bus.mark()
+        try:
+            since = _revision(request.params.get("resourceVersion"))
+            seen: dict[tuple[str | None, str], int] = {}
+            async with self._lock:
+                current = [o.raw for (r, ns, _), o in self.objects.items()
+                           if r == request.resource and not o.deleted
+                           and request.namespace in (None, ns)]
+            for raw in current:
+                version = _revision(raw["metadata"].get("resourceVersion"))
+                if version > since and _selected(raw, request):
+                    seen[_key(raw)] = version
+                    yield {"type": "ADDED" if since == 0 else "MODIFIED", "object": raw}
+            async for event in bus.stream(since=mark):
+                raw = event.get("object") or {}
+                if request.namespace not in (None, raw.get("metadata", {}).get("namespace")):
+                    continue
+                version = _revision(raw.get("metadata", {}).get("resourceVersion"))
+                if event.get("type") != "DELETED" and version <= seen.get(_key(raw), since):
+                    continue
+                seen[_key(raw)] = version
+                if _selected(raw, request):
+                    yield event
+        finally:
+            await bus.unmark(mark)
 
     # -- conveniences for tests: read and write objects as the cluster would ----------------------
     @property
@@ -203,6 +242,31 @@ class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
         res = kmock.resource(resource)
         return [copy.deepcopy(o.raw) for (r, ns, _), o in self.objects.items()
                 if r == res and not o.deleted and (namespace is None or ns == namespace)]
+
+
+def _revision(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _key(raw: dict) -> tuple[str | None, str]:
+    meta = raw.get("metadata") or {}
+    return meta.get("namespace"), meta.get("name", "")
+
+
+def _selected(obj: dict, request: rendering.Request) -> bool:
+    """Does `obj` match the request's equality labelSelector (`a=b,c=d`), if it has one?"""
+    selector = request.params.get("labelSelector")
+    if not selector:
+        return True
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in selector.replace("==", "=").split(","):
+        k, _, v = term.partition("=")
+        if labels.get(k.strip()) != v.strip():
+            return False
+    return True
 
 
 def _now() -> str:

@@ -191,14 +191,14 @@ class LocalLab:
 
     # -- reconciling one experiment ------------------------------------------------------------
     def reconcile_one(self, name: str, sf: SpecFile | None, slot: str | None = None,
-                      deleting: bool = False) -> Decision:
+                      deleting: bool = False) -> Decision | None:
         lock = FileLock(str(self.state / "locks" / f"exp-{name}.lock"))
         (self.state / "locks").mkdir(parents=True, exist_ok=True)
         with lock:
             return self._reconcile_locked(name, sf, slot, deleting)
 
     def _reconcile_locked(self, name: str, sf: SpecFile | None, slot: str | None,
-                          deleting: bool) -> Decision:
+                          deleting: bool) -> Decision | None:
         record = self.read_record(name)
         if sf is not None and sf.doc is not None:
             digest = spec_digest(sf.doc.get("spec") or {})
@@ -212,7 +212,7 @@ class LocalLab:
                 if record.get("status", {}).get("phase") in (None, "Pending"):
                     record["spec"] = sf.doc.get("spec")
         if not record:
-            raise KeyError(name)
+            return None  # finalized meanwhile (e.g. by `autolab delete` while the loop ran)
         spec_error = sf.error if sf is not None else None
         spec = None
         if not spec_error:

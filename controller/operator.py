@@ -607,25 +607,37 @@ class Operator:
 
     async def experiment_tick(self, namespace: str, name: str, status: Any, **_: Any) -> None:
         """The resync timer: runs in flight, and anything a failed pass left undone."""
+        if (status or {}).get("phase") in TERMINAL and (namespace, name) not in self.unsettled:
+            return  # settled: nothing to look at (checked here, in the loop, at no cost)
+        self._in_background("timer", self.lock(namespace, name),
+                            lambda: self._guarded(namespace, name), f"{namespace}/{name}")
+
+    def _in_background(self, handler: str, lock: threading.Lock, fn: Callable[[], Any],
+                       what: str) -> None:
+        """Run a timer's pass on kopf's executor, skipped if a pass of that object is running.
+
+        The timer returns at once: kopf waits for a running timer before it lets an object
+        go, and a deletion should not wait for a resync. The object's lock keeps the pass
+        and the finalizer apart.
+        """
         import asyncio
         import contextvars
         import functools
 
-        if (status or {}).get("phase") in TERMINAL and (namespace, name) not in self.unsettled:
-            return  # settled: nothing to look at (checked here, in the loop, at no cost)
-
         def work() -> None:
-            lock = self.lock(namespace, name)
             if not lock.acquire(blocking=False):
                 return  # a pass is running; it sees what this one would
             try:
-                self._guarded(namespace, name)
+                fn()
+            except Exception as e:  # kopf is not waiting for this one: say it here
+                log.warning("resync of %s failed (the next one tries again): %s", what, e,
+                            exc_info=not isinstance(e, (LookupError, SpecError)))
             finally:
                 lock.release()
         # On kopf's executor, as its sync handlers are, with its context (for posting Events).
-        call = functools.partial(contextvars.copy_context().run, self._timed, "timer", work)
+        call = functools.partial(contextvars.copy_context().run, self._timed, handler, work)
         executor = self.settings.execution.executor if self.settings is not None else None
-        await asyncio.get_running_loop().run_in_executor(executor, call)
+        asyncio.get_running_loop().run_in_executor(executor, call)
 
     def _guarded(self, namespace: str, name: str) -> Decision | None:
         import kopf
@@ -696,18 +708,9 @@ class Operator:
                     raise kopf.PermanentError(str(e)) from None
         self._timed("lab", work)
 
-    def lab_tick(self, namespace: str, name: str, **_: Any) -> None:
-        def work() -> None:
-            lock = self.lock(namespace, f"lab:{name}")
-            if not lock.acquire(blocking=False):
-                return
-            try:
-                self.reconcile_lab(namespace, name)
-            except SpecError:
-                pass  # reported by lab_changed; the timer has nothing to add
-            finally:
-                lock.release()
-        self._timed("lab-timer", work)
+    async def lab_tick(self, namespace: str, name: str, **_: Any) -> None:
+        self._in_background("lab-timer", self.lock(namespace, f"lab:{name}"),
+                            lambda: self.reconcile_lab(namespace, name), f"Lab {namespace}/{name}")
 
     def shutdown(self, **_: Any) -> None:
         if self.kube is not None:

@@ -1,0 +1,229 @@
+"""The embedded default end to end: specs in a lab directory, the real harness, the real loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.cli import init_lab, main
+from controller.demo import run_demo
+from controller.ledger import Ledger
+
+AUTOLAB = [sys.executable, "-m", "controller.cli"]
+
+
+@pytest.fixture(scope="module")
+def demo_lab(tmp_path_factory):
+    base = tmp_path_factory.mktemp("demo")
+    assert run_demo(directory=str(base)) == 0
+    return base / "lab"
+
+
+def records(lab: Path) -> dict:
+    return {p.stem: json.loads(p.read_text()) for p in (lab / ".autolab" / "status").glob("*.json")}
+
+
+def test_demo_meets_every_outcome(demo_lab):
+    st = {n: r["status"] for n, r in records(demo_lab).items()}
+    seen = {n: (s["phase"], s.get("outcome")) for n, s in st.items()}
+    assert seen["improve-lr"] == ("Succeeded", "Promoted")
+    assert seen["regress-frozen"] == ("Succeeded", "Rejected")
+    assert seen["repeat-improve"] == ("Duplicate", None)
+    assert seen["repeat-commented"] == ("Duplicate", None)
+    assert seen["touch-prepare"] == ("Invalid", None)
+    assert seen["stale-conflict"] == ("Conflict", None)
+    assert seen["stale-warmdown"][0] == "Succeeded"
+    assert st["stale-warmdown"]["rebasedFrom"] != st["stale-warmdown"]["parentHash"]
+    assert st["repeat-improve"]["duplicateOf"] == "improve-lr"
+    assert st["repeat-commented"]["duplicateOf"] == "improve-lr"
+    assert "diff touches prepare.py; only bench/train.py may change" == st["touch-prepare"]["message"]
+    assert "MATRIX_LR = 0.01" in st["stale-conflict"]["message"]
+
+
+def test_duplicates_and_refusals_spend_no_run(demo_lab):
+    runs = {p.name for p in (demo_lab / ".autolab" / "runs").iterdir()}
+    for refused in ("repeat-improve", "repeat-commented", "touch-prepare", "stale-conflict"):
+        assert f"exp-{refused}-1" not in runs
+    assert {"exp-improve-lr-1", "exp-regress-frozen-1", "exp-stale-warmdown-1"} <= runs
+
+
+def test_ledger_has_one_row_per_experiment_and_the_baseline(demo_lab):
+    rows = Ledger(demo_lab / "research" / "results.tsv").rows()
+    ids = [r["experiment_id"] for r in rows]
+    assert sorted(ids) == sorted(["baseline", *records(demo_lab)])
+    promoted = [r["experiment_id"] for r in rows if r["promoted"] == "1"]
+    master = json.loads((demo_lab / "research" / "live" / "master.json").read_text())
+    assert master["experiment"] == promoted[-1]
+    assert len(master["history"]) == 1 + len(promoted)
+
+
+def test_branches_stay_for_runs_and_worktrees_go(demo_lab):
+    branches = subprocess.run(["git", "branch", "--list", "autolab/*"], cwd=demo_lab,
+                              capture_output=True, text=True).stdout.split()
+    assert "autolab/exp/improve-lr" in branches and "autolab/master" in branches
+    assert "autolab/exp/touch-prepare" not in branches
+    assert "autolab/exp/repeat-improve" not in branches
+    assert not list((demo_lab / ".autolab" / "worktrees").iterdir())
+    msg = subprocess.run(["git", "log", "-1", "--format=%B", "autolab/exp/improve-lr"],
+                         cwd=demo_lab, capture_output=True, text=True).stdout
+    assert "Autolab-Experiment: improve-lr" in msg and "Autolab-Campaign: learning-rate" in msg
+    master = subprocess.run(["git", "rev-parse", "autolab/master"], cwd=demo_lab,
+                            capture_output=True, text=True).stdout.strip()
+    assert master == json.loads((demo_lab / "research/live/master.json").read_text())["commit"]
+
+
+def test_get_json_is_a_kubectl_list(demo_lab, capsys):
+    assert main(["get", "--lab", str(demo_lab), "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "List"
+    item = next(i for i in doc["items"] if i["metadata"]["name"] == "improve-lr")
+    assert item["spec"]["campaign"] == "learning-rate"
+    assert item["status"]["phase"] == "Succeeded" and item["status"]["outcome"] == "Promoted"
+    assert item["status"]["metrics"]["val_bpb"] > 0
+
+
+def test_describe_tells_the_story(demo_lab, capsys):
+    assert main(["describe", "--lab", str(demo_lab), "stale-warmdown"]) == 0
+    out = capsys.readouterr().out
+    assert "rebasedFrom:" in out and "Checked" in out and "Submitted" in out
+    assert "+WARMDOWN_RATIO = 0.3" in out
+
+
+def test_apply_refuses_bad_input_and_changes_nothing(demo_lab, tmp_path, capsys):
+    before = (demo_lab / "research" / "results.tsv").read_bytes()
+    listing = sorted(p.name for p in (demo_lab / "experiments").iterdir())
+    cases = {
+        "broken.yaml": ("metadata: {name: x\nspec: [", "broken.yaml: line"),
+        "unknown.yaml": (yaml.safe_dump({"apiVersion": "autolab.dev/v1alpha1",
+                                         "kind": "Experiment", "metadata": {"name": "u"},
+                                         "spec": {"hypothesis": "h", "parent": "abcd",
+                                                  "diff": "x", "budget": 5}}),
+                         "spec.budget: unknown field; expected one of"),
+        "kind.yaml": (yaml.safe_dump({"apiVersion": "autolab.dev/v1alpha1", "kind": "Job",
+                                      "metadata": {"name": "k"}, "spec": {}}),
+                      "kind: expected 'Experiment', got 'Job'"),
+        "types.yaml": (yaml.safe_dump({"apiVersion": "autolab.dev/v1alpha1",
+                                       "kind": "Experiment", "metadata": {"name": "t"},
+                                       "spec": {"hypothesis": "h", "parent": "abcd",
+                                                "diff": "x", "priority": "high"}}),
+                       "spec.priority: expected integer, got str 'high'"),
+    }
+    for fname, (text, expect) in cases.items():
+        f = tmp_path / fname
+        f.write_text(text)
+        assert main(["apply", "--lab", str(demo_lab), "-f", str(f)]) == 1
+        err = capsys.readouterr().err
+        assert str(f) in err and expect in err, err
+    assert (demo_lab / "research" / "results.tsv").read_bytes() == before
+    assert sorted(p.name for p in (demo_lab / "experiments").iterdir()) == listing
+
+
+def _wait(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _phase(lab: Path, name: str):
+    p = lab / ".autolab" / "status" / f"{name}.json"
+    try:
+        return json.loads(p.read_text())["status"].get("phase")
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _spec(lab, name, old, new, hypothesis):
+    src = lab.repo.master_source()
+    import difflib
+    diff = "".join(difflib.unified_diff(src.splitlines(True),
+                                        src.replace(old, new, 1).splitlines(True),
+                                        "a/train.py", "b/train.py"))
+    return {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+            "metadata": {"name": name},
+            "spec": {"hypothesis": hypothesis, "parent": lab.repo.master().hash[:10],
+                     "diff": diff}}
+
+
+def test_killed_controller_adopts_its_run_and_records_it_once(tmp_path):
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=8)
+    lab.apply_file(_spec(lab, "warmdown", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4",
+                         "A slightly shorter warmdown."), "test")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    first = subprocess.Popen(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: _phase(lab.root, "warmdown") == "Running", 240, "the run to start")
+        launch = json.loads((lab.root / ".autolab/runs/exp-warmdown-1/launch.json").read_text())
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert _alive(launch["pid"]), "the run outlives a killed controller"
+    finally:
+        if first.poll() is None:
+            first.kill()
+    second = subprocess.run(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    after = json.loads((lab.root / ".autolab/runs/exp-warmdown-1/launch.json").read_text())
+    assert after["pid"] == launch["pid"], "the restarted controller adopted, not relaunched"
+    log = (lab.root / ".autolab/runs/exp-warmdown-1/log.txt").read_text()
+    assert log.count("[bench] running candidate") == 1
+    assert _phase(lab.root, "warmdown") == "Succeeded"
+    rows = Ledger(lab.root / "research" / "results.tsv").rows()
+    assert [r["run_id"] for r in rows].count("exp-warmdown-1") == 1
+    assert len(rows) == 2  # the baseline and the experiment
+
+
+def test_delete_cancels_a_running_run_and_records_it(tmp_path):
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=30)
+    lab.repo.set_master_metric(9.9)  # the baseline is not what this test is about
+    lab.apply_file(_spec(lab, "slow", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.6",
+                         "A longer warmdown."), "test")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    loop = subprocess.Popen(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _phase(lab.root, "slow") == "Running", 120, "the run to start")
+        pid = json.loads((lab.root / ".autolab/runs/exp-slow-1/launch.json").read_text())["pid"]
+        assert main(["delete", "--lab", str(lab.root), "slow"]) == 0
+        _wait(lambda: not _alive(pid) or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
+              30, "the run to stop")
+        code = loop.wait(60)
+        assert code == 0, loop.stderr.read()
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+    rows = Ledger(lab.root / "research" / "results.tsv").rows()
+    assert [(r["run_id"], r["status"]) for r in rows] == [("exp-slow-1", "cancelled")]
+    assert not (lab.root / "experiments" / "slow.yaml").exists()
+    assert not (lab.root / ".autolab" / "status" / "slow.json").exists()
+
+
+def test_a_broken_spec_file_is_named_and_the_others_still_run(tmp_path, capsys):
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab.repo.set_master_metric(9.9)
+    (lab.root / "experiments" / "oops.yaml").write_text("kind: Experiment\nmetadata: {}\n")
+    lab.apply_file(_spec(lab, "prep", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.5\n",
+                         "Only a blank line (a duplicate of the master)."), "test")
+    summary = lab.step()
+    assert any("oops.yaml: metadata.name: required field is missing" in e for e in summary.errors)
+    assert _phase(lab.root, "prep") == "Duplicate"
