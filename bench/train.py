@@ -10,6 +10,8 @@ Inside:
 - rotary position embeddings, no learned positions
 - RMSNorm without weights (F.rms_norm), also on queries and keys (QK-norm)
 - ReLU^2 MLP; zero-initialised output projections; logit soft-capping
+- value embeddings: odd layers add a per-layer token embedding to the
+  attention values (ResFormer-style); ~16M parameters that cost no FLOPs
 - causal attention via F.scaled_dot_product_attention (flash kernels on CUDA)
 - Muon (momentum orthogonalised by a Newton-Schulz iteration in bf16) for the
   2-D matrices of the blocks; AdamW for the embedding, the head and the rest

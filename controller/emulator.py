@@ -38,6 +38,7 @@ import copy
 import datetime
 import secrets
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -90,7 +91,9 @@ class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()
+        with warnings.catch_warnings():  # kmock reads its catalogue with a deprecated call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()
         self.logs: dict[tuple[str, str], str] = {}
         self._revision = 0
         self._writes = asyncio.Lock()

@@ -159,10 +159,11 @@ class LabRepo:
     # -- candidates ----------------------------------------------------------------------------
     def _remove_worktree(self, name: str) -> None:
         wt = self.worktree_path(name)
-        if wt.exists():
-            self.git("worktree", "remove", "--force", str(wt), check=False)
-            shutil.rmtree(wt, ignore_errors=True)
-        self.git("worktree", "prune", check=False)
+        if not wt.exists():
+            return
+        if self.git("worktree", "remove", "--force", str(wt), check=False).returncode != 0:
+            shutil.rmtree(wt, ignore_errors=True)  # half-made by a crash: forget it in git too
+            self.git("worktree", "prune", check=False)
 
     def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
         """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""
@@ -176,7 +177,11 @@ class LabRepo:
         wt = self.worktree_path(name)
         self._remove_worktree(name)
         wt.parent.mkdir(parents=True, exist_ok=True)
-        self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"])
+        added = self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"],
+                         check=False)
+        if added.returncode != 0:  # a stale registration left by a crash
+            self.git("worktree", "prune", check=False)
+            self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"])
         applied = self.git("apply", "--whitespace=nowarn", "-", cwd=wt, input=diff.text,
                            check=False)
         if applied.returncode != 0:

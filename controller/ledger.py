@@ -54,8 +54,12 @@ class Ledger:
     # -- reading -------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Index whatever was appended since the last look."""
-        if not self.path.exists():
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
             return
+        if size == self._offset:
+            return  # nothing appended since the last look
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             data = f.read()

@@ -1,0 +1,74 @@
+"""One experiment per GPU: the local backend's slots, with fake device ids (no GPU needed)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import time
+from pathlib import Path
+
+from controller.backends.local import visible_slots
+from controller.cli import init_lab, main
+
+
+def _spec(lab, name, old, new, priority=0):
+    src = lab.repo.master_source()
+    diff = "".join(difflib.unified_diff(src.splitlines(True),
+                                        src.replace(old, new, 1).splitlines(True),
+                                        "a/train.py", "b/train.py"))
+    return {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+            "metadata": {"name": name},
+            "spec": {"hypothesis": f"{name}.", "parent": lab.repo.master().hash[:10],
+                     "diff": diff, "priority": priority}}
+
+
+def test_visible_slots_follow_the_configured_ids(monkeypatch):
+    monkeypatch.setenv("AUTOLAB_GPUS", "3,5,7")
+    assert visible_slots() == ["3", "5", "7"]
+    assert visible_slots(configured=2) == ["3", "5"]
+    monkeypatch.setenv("AUTOLAB_GPUS", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr("shutil.which", lambda _: None)
+    assert visible_slots() == ["cpu"]
+
+
+def test_each_run_holds_its_own_gpu_and_frees_it_when_done(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOLAB_GPUS", "0,1")
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
+    lab.repo.set_master_metric(9.9)  # slots, not the baseline, are under test
+    for name, old, new, prio in (("first", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4", 0),
+                                 ("second", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3", 0),
+                                 ("urgent", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.2", 5)):
+        lab.apply_file(_spec(lab, name, old, new, prio), "test")
+        time.sleep(0.02)  # distinct creation order
+    summary = lab.step()
+    running = {n: st["job"]["slot"] for n, st, _ in summary.rows if st.get("phase") == "Running"}
+    assert sorted(running.values()) == ["0", "1"], summary.rows
+    assert "urgent" in running, "the higher priority goes first"
+    waiting = next(st for n, st, _ in summary.rows if n not in running)
+    assert waiting["phase"] == "Queued"
+    assert any(c["reason"] == "WaitingForSlot" for c in waiting["conditions"])
+    for name, slot in running.items():
+        pid = json.loads((lab.root / f".autolab/runs/exp-{name}-1/launch.json").read_text())["pid"]
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={slot}".encode() in env
+    assert main(["get", "--lab", str(lab.root)]) == 0
+    table = capsys.readouterr().out
+    assert "SLOT" in table.splitlines()[0]
+    holders: dict[str, set] = {}
+    deadline = time.time() + 300
+    while not summary.done and time.time() < deadline:
+        time.sleep(0.3)
+        summary = lab.step()
+        busy = [st["job"]["slot"] for _, st, _ in summary.rows if st.get("phase") == "Running"]
+        assert len(busy) == len(set(busy)) <= 2, "a GPU is never shared"
+        for n, st, _ in summary.rows:
+            if st.get("phase") == "Running":
+                holders.setdefault(n, set()).add(st["job"]["slot"])
+    assert summary.done
+    assert all(st["phase"] == "Succeeded" for _, st, _ in summary.rows)
+    assert all(len(s) == 1 for s in holders.values()), "a run keeps its GPU"
+    slots = {n: json.loads((lab.root / f".autolab/runs/exp-{n}-1/launch.json").read_text())["slot"]
+             for n in ("first", "second", "urgent")}
+    assert set(slots.values()) == {"0", "1"}, "the third run took the slot the first one freed"
