@@ -220,6 +220,10 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
             "AUTOLAB_TIME_BUDGET": repr(budget),
         })
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(prepare.cache_root() / "compile"))
+        if prepare.PROFILE == "tiny":
+            # Toy tensors gain nothing from threads, and spinning OpenMP threads on a busy CPU
+            # make each step tens of times slower: one thread keeps tiny runs steady.
+            env.setdefault("OMP_NUM_THREADS", "1")
         log.harness(f"running candidate {result['candidate_sha1'][:12]} ({prepare.PROFILE} profile, budget "
                     f"{budget:g}s, deadline {deadline:g}s) in {run_dir}")
         started = time.time()
@@ -256,6 +260,8 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
         eval_env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOLAB_")}
+        if prepare.PROFILE == "tiny":
+            eval_env.setdefault("OMP_NUM_THREADS", "1")
         eval_env.update({"PYTHONPATH": str(BENCH_DIR), "PYTHONUNBUFFERED": "1",
                          "AUTOLAB_BENCH_PROFILE": prepare.PROFILE, "AUTOLAB_CACHE": str(prepare.cache_root())})
         out = eval_dir / "evaluation.json"

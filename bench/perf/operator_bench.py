@@ -71,10 +71,11 @@ def start_operator(url: str, lab_root: Path, resync: float) -> tuple[Operator, c
     op = Operator(OperatorConfig(lab_root=lab_root, resync_seconds=resync, server=url,
                                  scanning=False, watch_timeout=None))
     registry = register(op, kopf.OperatorRegistry())
+    settings = kopf.OperatorSettings()
     loop = asyncio.new_event_loop()
     ready = threading.Event()
-    task = loop.create_task(kopf.operator(registry=registry, standalone=True, namespaces=[NS],
-                                          ready_flag=ready))
+    task = loop.create_task(kopf.operator(registry=registry, settings=settings, standalone=True,
+                                          namespaces=[NS], ready_flag=ready))
 
     def run() -> None:
         try:
@@ -90,6 +91,7 @@ def start_operator(url: str, lab_root: Path, resync: float) -> tuple[Operator, c
     def stop() -> None:
         loop.call_soon_threadsafe(task.cancel)
         thread.join(60)
+        settings.execution.executor.shutdown(wait=True, cancel_futures=True)
     return op, stop
 
 
