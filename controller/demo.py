@@ -5,9 +5,9 @@ applies specs that meet every outcome a user will see, and runs the same
 controller loop as `autolab run`:
 
   wave 1, written against the seed master:
-    improve-lr          a 10x higher Muon learning rate     -> Succeeded, Promoted
-                        (the demo's seed has a learning rate ten times too low,
-                        so the improvement does not hang on timing noise)
+    improve-lr          a 100x higher lm_head learning rate -> Succeeded, Promoted
+                        (the demo's seed has an lm_head learning rate a hundred
+                        times too low, so the improvement does not hang on noise)
     regress-frozen      block matrices frozen (LR 0)        -> Succeeded, Rejected
     repeat-improve      improve-lr's diff again             -> Duplicate (no run)
     repeat-commented    improve-lr plus a comment           -> Duplicate (AST hash)
@@ -29,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from controller.core.spec import API_VERSION
+from controller.local import LAB_FILE, LocalLab
 
 
 def _diff(old: str, new: str, path: str = "train.py") -> str:
@@ -52,8 +55,9 @@ def _spec(name: str, campaign: str, hypothesis: str, parent: str, diff: str) -> 
                      "diff": diff}}
 
 
-LR_LINE = "MATRIX_LR = 0.02"
-SEED_LR_LINE = "MATRIX_LR = 0.002"
+LR_LINE = "    UNEMBEDDING_LR = 0.02"  # the tiny profile's lm_head learning rate
+SEED_LR_LINE = "    UNEMBEDDING_LR = 0.0002"
+FREEZE_FROM, FREEZE_TO = "MATRIX_LR = 0.02", "MATRIX_LR = 0.0"
 WARMDOWN_LINE = "WARMDOWN_RATIO = 0.5"
 
 
@@ -66,27 +70,33 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
     print(f"== autolab demo: a tiny lab in {root} (CPU, synthetic data)", flush=True)
     lab = init_lab(root, profile="tiny", data="synthetic")
     # Tiny runs last seconds, so their val_bpb is noisy; the demo starts from a master with a
-    # learning rate ten times too low, so that its "improvement" improves on any machine.
+    # tiny lm_head learning rate a hundred times too low, so that its "improvement" improves
+    # on any machine.
     handicapped = _edit(lab.repo.master_source(), LR_LINE, SEED_LR_LINE)
     (root / lab.lab.surface).write_text(handicapped)
     git = ["git", "-c", "user.name=autolab", "-c", "user.email=autolab@localhost"]
-    subprocess.run(git + ["commit", "-qam", "Demo seed: a learning rate ten times too low"],
+    subprocess.run(git + ["commit", "-qam", "Demo seed: an lm_head learning rate a hundred times too low"],
                    cwd=root, check=True)
     lab.repo.seed_master(lab.repo.git("rev-parse", "HEAD").stdout.strip())
+    # One run at a time, even on a machine with GPUs: the story below depends on the order.
+    doc = yaml.safe_load((root / LAB_FILE).read_text())
+    doc["spec"]["capacity"] = {"gpuSlots": 1}
+    (root / LAB_FILE).write_text(yaml.safe_dump(doc, sort_keys=False))
+    lab = LocalLab(root)
     seed = lab.repo.master()
     src = lab.repo.master_source()
     prepare_src = (root / "bench" / "prepare.py").read_text()
     better = _edit(src, SEED_LR_LINE, LR_LINE)
     wave1 = [
-        _spec("improve-lr", "learning-rate", "A ten times higher Muon learning rate learns "
-              "faster in a short budget.", seed.hash, _diff(src, better)),
+        _spec("improve-lr", "learning-rate", "A hundred times higher lm_head learning rate "
+              "lets the output layer learn within the budget.", seed.hash, _diff(src, better)),
         _spec("regress-frozen", "learning-rate", "Freezing the block matrices (learning rate 0) "
-              "should regress.", seed.hash, _diff(src, _edit(src, SEED_LR_LINE, "MATRIX_LR = 0.0"))),
+              "should regress.", seed.hash, _diff(src, _edit(src, FREEZE_FROM, FREEZE_TO))),
         _spec("repeat-improve", "learning-rate", "The same higher learning rate, proposed again.",
               seed.hash, _diff(src, better)),
         _spec("repeat-commented", "learning-rate", "The higher learning rate with a new comment.",
-              seed.hash, _diff(src, _edit(better, LR_LINE + "  #",
-                                          LR_LINE + "  # raised for the demo;"))),
+              seed.hash, _diff(src, _edit(better, LR_LINE + "\n",
+                                          LR_LINE + "  # raised for the demo\n"))),
         _spec("touch-prepare", "harness", "Evaluate on fewer tokens.", seed.hash,
               _diff(prepare_src, prepare_src.replace("CACHE_FORMAT = 1", "CACHE_FORMAT = 2", 1),
                     "prepare.py")),
@@ -104,8 +114,8 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
     wave2 = [
         _spec("stale-warmdown", "schedule", "A shorter warmdown keeps the peak LR longer.",
               seed.hash, _diff(src, _edit(src, WARMDOWN_LINE, "WARMDOWN_RATIO = 0.3"))),
-        _spec("stale-conflict", "learning-rate", "A slightly higher learning rate.", seed.hash,
-              _diff(src, _edit(src, SEED_LR_LINE, "MATRIX_LR = 0.01"))),
+        _spec("stale-conflict", "learning-rate", "A 50x higher lm_head learning rate.", seed.hash,
+              _diff(src, _edit(src, SEED_LR_LINE, "    UNEMBEDDING_LR = 0.01"))),
     ]
     print(f"== wave 2: written against the seed master {seed.hash[:12]}; the master is now "
           f"{moved.hash[:12]}", flush=True)

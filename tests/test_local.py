@@ -45,7 +45,7 @@ def test_demo_meets_every_outcome(demo_lab):
     assert st["repeat-improve"]["duplicateOf"] == "improve-lr"
     assert st["repeat-commented"]["duplicateOf"] == "improve-lr"
     assert "diff touches prepare.py; only bench/train.py may change" == st["touch-prepare"]["message"]
-    assert "MATRIX_LR = 0.01" in st["stale-conflict"]["message"]
+    assert "UNEMBEDDING_LR = 0.01" in st["stale-conflict"]["message"]
 
 
 def test_duplicates_and_refusals_spend_no_run(demo_lab):
