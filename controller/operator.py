@@ -71,6 +71,7 @@ LABS = (GROUP, VERSION, "labs")
 FINALIZER = f"{GROUP}/finalizer"
 BASELINE_ATTEMPTS = 3
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
+MASTER_MAX_AGE = 1.0  # seconds a pass may use a copy of the master ConfigMap
 EVENT_MESSAGE_MAX = 1000
 USER_AGENT = "autolab-operator/0.1"
 
@@ -143,6 +144,7 @@ class LabRuntime:
         self.extra_backends: dict[str, Any] = {}
         self.baseline_failures: dict[str, int] = collections.Counter()
         self.mirrored: dict | None = None
+        self._master: tuple[float, MasterRecord | None] = (0.0, None)
         self.repo, self.ledger = self._open()
 
     @property
@@ -181,7 +183,20 @@ class LabRuntime:
         with self.lock:
             rec = self.store.ensure(self.repo)
             sync_repo_master(self.repo, rec)
+            self._master = (time.monotonic(), rec)
             return rec
+
+    def master_record(self, max_age: float = MASTER_MAX_AGE) -> "MasterRecord":
+        """The master ConfigMap as read at most `max_age` seconds ago.
+
+        Many passes a second need the master only to compare against it; a promotion
+        compares again under compare-and-swap, so a second-old copy decides nothing wrong.
+        """
+        read_at, rec = self._master
+        if rec is None or time.monotonic() - read_at > max_age:
+            rec = self.store.read() or self.sync()
+            self._master = (time.monotonic(), rec)
+        return rec
 
     # -- the checked spec of each experiment, kept beside the lab repo -----------------------------
     def _spec_path(self, uid: str) -> Path:
@@ -246,6 +261,7 @@ class Operator:
         self.timings: collections.deque[Timing] = collections.deque(maxlen=100_000)
         self.hooks: list[Callable[[LabRuntime, str, dict, dict], None]] = []
         self.settings: Any = None  # kopf's, from the startup handler
+        self._queued: set[str] = set()  # objects with a resync pass waiting for a thread
 
     # -- plumbing --------------------------------------------------------------------------------
     def connect(self) -> "Kube":
@@ -345,7 +361,7 @@ class Operator:
         duplicate = None
         promotion = None
         # The master of record; the lab repo is brought in step where it is used (materialise).
-        rec = rt.store.read() or rt.sync()
+        rec = rt.master_record()
         decision: Decision | None = None
         for _ in range(MAX_STEPS):
             slot = None
@@ -618,26 +634,38 @@ class Operator:
 
         The timer returns at once: kopf waits for a running timer before it lets an object
         go, and a deletion should not wait for a resync. The object's lock keeps the pass
-        and the finalizer apart.
+        and the finalizer apart. At most one pass per object waits for a thread, so when
+        the timers outpace the threads (thousands of runs in flight) nothing piles up.
         """
         import asyncio
         import contextvars
         import functools
 
+        if what in self._queued:
+            return  # one pass of this object is waiting for a thread already: enough
+        self._queued.add(what)
+
         def work() -> None:
+            self._queued.discard(what)
             if not lock.acquire(blocking=False):
                 return  # a pass is running; it sees what this one would
             try:
                 fn()
             except Exception as e:  # kopf is not waiting for this one: say it here
+                import kopf
+
+                expected = isinstance(e, (LookupError, SpecError, kopf.TemporaryError))
                 log.warning("resync of %s failed (the next one tries again): %s", what, e,
-                            exc_info=not isinstance(e, (LookupError, SpecError)))
+                            exc_info=not expected)
             finally:
                 lock.release()
         # On kopf's executor, as its sync handlers are, with its context (for posting Events).
         call = functools.partial(contextvars.copy_context().run, self._timed, handler, work)
         executor = self.settings.execution.executor if self.settings is not None else None
-        asyncio.get_running_loop().run_in_executor(executor, call)
+        try:
+            asyncio.get_running_loop().run_in_executor(executor, call)
+        except RuntimeError:  # the executor is shut down: the operator is stopping
+            self._queued.discard(what)
 
     def _guarded(self, namespace: str, name: str) -> Decision | None:
         import kopf

@@ -90,7 +90,8 @@ def start_operator(url: str, lab_root: Path, resync: float) -> tuple[Operator, c
 
     def stop() -> None:
         loop.call_soon_threadsafe(task.cancel)
-        thread.join(60)
+        thread.join(120)
+        # Resync passes still queued are dropped; the ones running finish.
         settings.execution.executor.shutdown(wait=True, cancel_futures=True)
     return op, stop
 
