@@ -252,3 +252,17 @@ def _conflict_hunk(path: Path, context: int = 2) -> str:
     # git labels the sides with commit ids that differ on every attempt; name them instead.
     label = {start: "<<<<<<< current master", end: ">>>>>>> this experiment"}
     return "\n".join(f"  {i + 1:4d} | {label.get(i, lines[i])}" for i in range(lo, hi))
+
+
+def recorded_duplicate(repo: LabRepo, ledger, name: str, c: Candidate) -> str | None:
+    """What a checked candidate repeats among the master and the measured experiments.
+
+    Both front ends call this, then look among their own runs in flight.
+    """
+    if c.refusal:
+        return None
+    m = repo.master()
+    if c.candidate_hash == m.hash or c.semantic_hash == m.semantic_hash:
+        return f"master ({m.experiment or 'seed'} {m.hash[:12]})"
+    hit = ledger.measured(c.candidate_hash, c.semantic_hash)
+    return hit if hit and hit != name else None

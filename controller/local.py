@@ -37,7 +37,7 @@ from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Ev
                                        baseline_run_name, reconcile, reconcile_baseline,
                                        run_name)
 from controller.core.spec import ExperimentSpec, LabSpec, SpecError, validate_document
-from controller.labrepo import LabRepo, atomic_write
+from controller.labrepo import LabRepo, atomic_write, recorded_duplicate
 from controller.ledger import Ledger
 from controller.memory import memory_hook
 from controller.tracking import tracking_hook
@@ -169,13 +169,8 @@ class LocalLab:
         return self.backends[name]
 
     def duplicate_of(self, name: str, c: Candidate) -> str | None:
-        if c.refusal:
-            return None
-        m = self.repo.master()
-        if c.candidate_hash == m.hash or c.semantic_hash == m.semantic_hash:
-            return f"master ({m.experiment or 'seed'} {m.hash[:12]})"
-        hit = self.ledger.measured(c.candidate_hash, c.semantic_hash)
-        if hit and hit != name:
+        hit = recorded_duplicate(self.repo, self.ledger, name, c)
+        if hit or c.refusal:
             return hit
         for h in (c.candidate_hash, c.semantic_hash):
             other = self._inflight.get(h or "")
@@ -318,10 +313,11 @@ class LocalLab:
                 self.ledger.append(dict(intent.args["row"], created_at=utcnow(), backend="local"))
             elif intent.kind == "set-master-metric":
                 self.repo.set_master_metric(intent.args["val_bpb"])
-            elif intent.kind == "baseline-failed":
+            elif intent.kind == "resubmit-baseline":
+                # Locally a person looks first: a master that cannot be measured needs a fix.
                 raise BaselineFailed(f"the master's baseline run {name} failed: "
-                                     f"{intent.args['reason']}; see "
-                                     f"{backend.log_path(name)}")
+                                     f"{intent.args['reason']}; see {backend.log_path(name)}, "
+                                     f"then remove {backend.run_dir(name)} to measure it again")
         if obs.state in ("queued", "running"):
             return backend.slot_of(name)
         return None

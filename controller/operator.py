@@ -226,13 +226,9 @@ class LabRuntime:
                         "(or hf)")
 
     def duplicate_of(self, name: str, c: Candidate) -> str | None:
-        if c.refusal:
-            return None
-        m = self.repo.master()
-        if c.candidate_hash == m.hash or c.semantic_hash == m.semantic_hash:
-            return f"master ({m.experiment or 'seed'} {m.hash[:12]})"
-        hit = self.ledger.measured(c.candidate_hash, c.semantic_hash)
-        if hit and hit != name:
+        from controller.labrepo import recorded_duplicate
+        hit = recorded_duplicate(self.repo, self.ledger, name, c)
+        if hit or c.refusal:
             return hit
         return self.book.claim(name, (c.candidate_hash, c.semantic_hash))
 

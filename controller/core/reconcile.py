@@ -198,7 +198,7 @@ def reconcile(w: World) -> Decision:
         return _reconcile_deleting(s)
     if phase in TERMINAL:
         return _settle_terminal(s)
-    if w.spec_error:
+    if w.spec_error and phase == "Pending":  # after the checks, the checked spec is what runs
         s.phase("Invalid", "InvalidSpec", w.spec_error, warning=True)
         s.condition("Checked", False, "InvalidSpec", w.spec_error)
         return _settle_terminal(s)
