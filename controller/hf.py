@@ -348,6 +348,8 @@ def register(sub, add) -> None:
     p = hf_add("preflight", cmd_preflight, "check token, namespace, bucket, flavor and jobs in "
                                            "flight; print what a run costs, before spending")
     p.add_argument("--flavor", help="check this flavor instead of the lab's")
+    p.epilog = DESCRIPTION  # what to set and what a run costs, where a new user looks first
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p = hf_add("prepare", cmd_prepare, "start the one-time job that fills the bucket with the "
                                        "prepared data (a CPU flavor)")
     p.add_argument("--source", help="hub (default: the lab's data source) or synthetic")
