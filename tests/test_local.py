@@ -16,6 +16,7 @@ import yaml
 from controller.cli import init_lab, main
 from controller.demo import run_demo
 from controller.ledger import Ledger
+from labkit import spec_from_edit
 
 AUTOLAB = [sys.executable, "-m", "controller.cli"]
 
@@ -152,21 +153,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _spec(lab, name, old, new, hypothesis):
-    src = lab.repo.master_source()
-    import difflib
-    diff = "".join(difflib.unified_diff(src.splitlines(True),
-                                        src.replace(old, new, 1).splitlines(True),
-                                        "a/train.py", "b/train.py"))
-    return {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
-            "metadata": {"name": name},
-            "spec": {"hypothesis": hypothesis, "parent": lab.repo.master().hash[:10],
-                     "diff": diff}}
-
-
 def test_killed_controller_adopts_its_run_and_records_it_once(tmp_path):
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=8)
-    lab.apply_file(_spec(lab, "warmdown", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4",
+    lab.apply_file(spec_from_edit(lab, "warmdown", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4",
                          "A slightly shorter warmdown."), "test")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     first = subprocess.Popen(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2"],
@@ -196,7 +185,7 @@ def test_killed_controller_adopts_its_run_and_records_it_once(tmp_path):
 def test_delete_cancels_a_running_run_and_records_it(tmp_path):
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=30)
     lab.repo.set_master_metric(9.9)  # the baseline is not what this test is about
-    lab.apply_file(_spec(lab, "slow", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.6",
+    lab.apply_file(spec_from_edit(lab, "slow", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.6",
                          "A longer warmdown."), "test")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     loop = subprocess.Popen(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2"],
@@ -222,7 +211,7 @@ def test_a_broken_spec_file_is_named_and_the_others_still_run(tmp_path, capsys):
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     lab.repo.set_master_metric(9.9)
     (lab.root / "experiments" / "oops.yaml").write_text("kind: Experiment\nmetadata: {}\n")
-    lab.apply_file(_spec(lab, "prep", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.5\n",
+    lab.apply_file(spec_from_edit(lab, "prep", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.5\n",
                          "Only a blank line (a duplicate of the master)."), "test")
     summary = lab.step()
     assert any("oops.yaml: metadata.name: required field is missing" in e for e in summary.errors)

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import time
 from pathlib import Path
 
 from controller.backends.local import visible_slots
 from controller.cli import init_lab, main
-
-
-def _spec(lab, name, old, new, priority=0):
-    src = lab.repo.master_source()
-    diff = "".join(difflib.unified_diff(src.splitlines(True),
-                                        src.replace(old, new, 1).splitlines(True),
-                                        "a/train.py", "b/train.py"))
-    return {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
-            "metadata": {"name": name},
-            "spec": {"hypothesis": f"{name}.", "parent": lab.repo.master().hash[:10],
-                     "diff": diff, "priority": priority}}
+from labkit import spec_from_edit
 
 
 def test_visible_slots_follow_the_configured_ids(monkeypatch):
@@ -40,7 +29,7 @@ def test_each_run_holds_its_own_gpu_and_frees_it_when_done(tmp_path, monkeypatch
     for name, old, new, prio in (("first", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4", 0),
                                  ("second", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3", 0),
                                  ("urgent", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.2", 5)):
-        lab.apply_file(_spec(lab, name, old, new, prio), "test")
+        lab.apply_file(spec_from_edit(lab, name, old, new, priority=prio), "test")
         time.sleep(0.02)  # distinct creation order
     summary = lab.step()
     running = {n: st["job"]["slot"] for n, st, _ in summary.rows if st.get("phase") == "Running"}
