@@ -211,8 +211,14 @@ class Progress:
         if self.live is not None:
             from rich.table import Table
             head, rows = table_rows(summary.rows)
-            t = Table(*head, title="autolab run" + (" — measuring the master's baseline"
-                                                    if summary.baseline_pending else ""))
+            head, rows = head[:6], [r[:6] for r in rows]  # what a run needs; `get` shows the rest
+            t = Table(title="autolab run" + (" — measuring the master's baseline"
+                                             if summary.baseline_pending else ""))
+            for i, h in enumerate(head):  # names, phases and numbers never shrink; the rest may
+                keep = h in ("NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT")
+                widest = max([len(h)] + [len(r[i]) for r in rows])
+                t.add_column(h, no_wrap=True, min_width=widest if keep else None,
+                             overflow="ellipsis")
             for r in rows:
                 t.add_row(*r)
             self.live.update(t, refresh=True)
