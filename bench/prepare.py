@@ -83,7 +83,8 @@ class Profile:
     num_shards: int  # hub source: training shards to download
     tokenizer_train_chars: int  # characters of training text the tokenizer learns from
     synthetic_docs: int  # synthetic source: training documents generated
-    startup_allowance: float  # run harness: seconds allowed beyond the budget
+    startup_allowance: float  # run harness: seconds from start to the first training batch (compilation)
+    export_allowance: float  # run harness: seconds from "training done" to the candidate's exit (export)
     eval_timeout: float  # run harness: seconds allowed for the evaluation
 
 
@@ -99,6 +100,7 @@ PROFILES = {
         tokenizer_train_chars=200_000_000,
         synthetic_docs=100_000,
         startup_allowance=180.0,
+        export_allowance=60.0,
         eval_timeout=600.0,
     ),
     "tiny": Profile(
@@ -112,6 +114,7 @@ PROFILES = {
         tokenizer_train_chars=2_000_000,
         synthetic_docs=4_000,
         startup_allowance=60.0,
+        export_allowance=20.0,
         eval_timeout=120.0,
     ),
 }
@@ -923,47 +926,122 @@ def active_data() -> PreparedData:
 # Loader
 
 
+DATA_FD_ENV = "AUTOLAB_DATA_FD"  # set by the run harness: the socket the training stream comes from
+STREAM_READ, STREAM_DONE = b"R", b"D"  # requests: the next n tokens; training is over
+STREAM_REQUEST = "<cQ"  # one request: an opcode byte and a count (little-endian)
+STREAM_MAX_TOKENS = 2**26  # the most tokens one request may ask for
+
+
+def _stream_socket():
+    """The harness's data socket in a sandboxed run, else None (a run by hand)."""
+    import socket
+
+    fd = os.environ.get(DATA_FD_ENV)
+    if not fd:
+        return None
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=int(fd))
+
+
+_stream = None
+
+
+def _read_stream(n: int) -> np.ndarray:
+    """The next n training tokens from the harness (which starts its clock at the first call)."""
+    global _stream
+    if _stream is None:
+        _stream = _stream_socket()
+    import struct
+
+    _stream.sendall(struct.pack(STREAM_REQUEST, STREAM_READ, n))
+    buf = bytearray(2 * n)
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        k = _stream.recv_into(view[got:])
+        if not k:
+            raise PrepareError("the harness closed the training stream (the run is over)")
+        got += k
+    return np.frombuffer(buf, dtype=np.uint16)
+
+
+def training_done() -> None:
+    """Tell the harness training is over (export_model calls it): its clock stops here and it
+    streams no more data. A no-op in a run by hand."""
+    global _stream
+    if _stream is None:
+        _stream = _stream_socket()
+    if _stream is not None:
+        import struct
+
+        try:
+            _stream.sendall(struct.pack(STREAM_REQUEST, STREAM_DONE, 0))
+        except OSError:
+            pass
+
+
 def make_loader(split: str, batch_size: int, seq_len: int = MAX_SEQ_LEN, device: Any = "cpu",
                 *, seed: int = 0) -> Iterator[tuple[Any, Any]]:
     """Yield (x, y) int64 tensors of shape (batch_size, seq_len), y = x shifted by one.
 
-    Batches are consecutive windows of the token stream from a seeded start
-    offset; at the end of the stream a new pass starts at a new offset. A
-    background thread slices the memmap into pinned host memory and the next
-    batch's copy to the device is issued before the current one is yielded.
+    Batches are consecutive windows of the token stream. Under the run harness the training
+    split arrives over a socket (the candidate never sees the data files, and the harness's
+    clock starts at the first batch); run by hand, the stream is read from the prepared
+    files, from a seeded start offset, wrapping at the end. Nothing is read until the first
+    `next()`: compile and warm up before asking for data. A background thread fills pinned
+    host memory and the next batch's copy to the device is issued before the current one is
+    yielded.
     """
     import torch
 
-    tokens = active_data().tokens(split)
     span = batch_size * seq_len + 1
-    if len(tokens) < span:
-        raise PrepareError(
-            f"the {split} split has {len(tokens)} tokens, fewer than one batch of {batch_size}x{seq_len}; "
-            "use a smaller batch or more data"
-        )
+    if os.environ.get(DATA_FD_ENV):
+        if split != "train":
+            raise PrepareError(f"only the training split is available to train.py, not {split!r}")
+        read = _read_stream
+    else:
+        tokens = active_data().tokens(split)
+        if len(tokens) < span:
+            raise PrepareError(
+                f"the {split} split has {len(tokens)} tokens, fewer than one batch of {batch_size}x{seq_len}; "
+                "use a smaller batch or more data"
+            )
+        rng = np.random.default_rng(seed)
+        pos = [int(rng.integers(0, seq_len))]
+
+        def read(n: int) -> np.ndarray:
+            out = []
+            while n:
+                if pos[0] >= len(tokens):
+                    pos[0] = int(rng.integers(0, seq_len))
+                take = min(n, len(tokens) - pos[0])
+                out.append(np.asarray(tokens[pos[0] : pos[0] + take]))
+                pos[0] += take
+                n -= take
+            return np.concatenate(out)
+
     device = torch.device(device)
     pin = device.type == "cuda"
     batches: queue.Queue = queue.Queue(maxsize=3)
 
     def produce() -> None:
-        rng = np.random.default_rng(seed)
-        pos = int(rng.integers(0, seq_len))
-        while True:
-            if pos + span > len(tokens):
-                pos = int(rng.integers(0, seq_len))
-            chunk = torch.from_numpy(tokens[pos : pos + span].astype(np.int64))
-            pos += span - 1
-            x, y = chunk[:-1].view(batch_size, seq_len), chunk[1:].view(batch_size, seq_len)
-            if pin:
-                x, y = x.pin_memory(), y.pin_memory()
-            batches.put((x, y))
-
-    threading.Thread(target=produce, daemon=True, name=f"loader-{split}").start()
+        try:
+            carry = read(1)  # windows overlap by one token: the last target is the next input
+            while True:
+                chunk = torch.from_numpy(np.concatenate([carry, read(span - 1)]).astype(np.int64))
+                carry = chunk[-1:].numpy().astype(np.uint16)
+                x, y = chunk[:-1].view(batch_size, seq_len), chunk[1:].view(batch_size, seq_len)
+                if pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                batches.put((x, y))
+        except Exception as e:  # handed to the training loop, which would otherwise wait forever
+            batches.put(e)
 
     def to_device(batch):
+        if isinstance(batch, Exception):
+            raise batch
         return tuple(t.to(device, non_blocking=True) for t in batch)
 
     def iterate() -> Iterator[tuple[Any, Any]]:
+        threading.Thread(target=produce, daemon=True, name=f"loader-{split}").start()
         nxt = to_device(batches.get())
         while True:
             cur, nxt = nxt, to_device(batches.get())
@@ -1079,6 +1157,7 @@ def export_model(model: Any, stats: dict[str, Any], export_dir: str | os.PathLik
     """
     import torch
 
+    training_done()
     export_dir = export_dir or os.environ.get("AUTOLAB_EXPORT_DIR")
     if not export_dir:
         return None

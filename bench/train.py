@@ -16,8 +16,10 @@ Inside:
 - Muon (momentum orthogonalised by a Newton-Schulz iteration in bf16) for the
   2-D matrices of the blocks; AdamW for the embedding, the head and the rest
 - bf16 autocast and torch.compile on CUDA; fp32 eager on CPU
-- a fixed budget of training seconds (the first UNTIMED_STEPS steps, which
-  include compilation, do not count); LR schedule on progress = time / budget
+- a fixed budget of training seconds, timed by the harness from the first
+  training batch; compilation happens before it, on a dummy batch
+  (WARMUP_PASSES forward/backward passes that change no weight); LR schedule
+  on progress = time / budget
 - logs loss, tokens/s and MFU; stops with an error on a NaN/inf loss
 - hands the model to prepare.export_model; run by hand, it also measures
   val_bpb with prepare.evaluate_bpb and prints the summary block
@@ -59,7 +61,7 @@ WEIGHT_DECAY = 0.1  # decoupled weight decay of the Muon matrices (multiplied by
 WARMUP_RATIO = 0.0  # share of the budget spent ramping the LR up from 0
 WARMDOWN_RATIO = 0.5  # share of the budget at the end spent decaying the LR
 FINAL_LR_FRAC = 0.0  # LR at the end, as a fraction of the peak
-UNTIMED_STEPS = 10  # first steps (compilation, warm-up) do not count against the budget
+WARMUP_PASSES = 2  # forward/backward passes on a dummy batch before the clock starts (compiles; no update)
 LOG_EVERY = 25  # steps between log lines; each reads the loss (a host sync) and checks it is finite
 COMPILE = True  # torch.compile the model (CUDA only)
 SEED = 42
@@ -68,7 +70,7 @@ if prepare.PROFILE == "tiny":  # a toy model that a CPU trains in seconds
     DEPTH, ASPECT_RATIO, HEAD_DIM = 2, 32, 32
     TOTAL_BATCH_TOKENS, DEVICE_BATCH = 8 * MAX_SEQ_LEN, 8
     UNEMBEDDING_LR = 0.02
-    UNTIMED_STEPS, LOG_EVERY = 1, 1
+    WARMUP_PASSES, LOG_EVERY = 0, 1
 
 MODEL_DIM = -(-DEPTH * ASPECT_RATIO // HEAD_DIM) * HEAD_DIM
 N_HEAD = MODEL_DIM // HEAD_DIM
@@ -322,18 +324,22 @@ print(
     flush=True,
 )
 
+# Compile and warm up before asking for data: the harness's clock starts at the first batch.
+dummy = torch.zeros(DEVICE_BATCH, MAX_SEQ_LEN, dtype=torch.long, device=device)
+for _ in range(WARMUP_PASSES):
+    with autocast():
+        warm_loss = model(dummy, dummy)
+    warm_loss.backward()
+model.zero_grad(set_to_none=True)
+sync()
+
 step = 0
 tokens_seen = 0
-timed_start = None  # wall clock when the timed part began
-timed_tokens = 0
-log_time, log_tokens = time.time(), 0
 x, y = next(train_loader)
+timed_start = time.time()  # training starts with the first batch
+log_time, log_tokens = timed_start, 0
 while True:
-    if step == UNTIMED_STEPS:
-        sync()
-        timed_start = time.time()
-        log_time, log_tokens = timed_start, tokens_seen
-    training_time = 0.0 if timed_start is None else time.time() - timed_start
+    training_time = time.time() - timed_start
     if training_time >= TIME_BUDGET:
         break
     multiplier = lr_multiplier(min(training_time / TIME_BUDGET, 1.0))
@@ -353,8 +359,6 @@ while True:
     model.zero_grad(set_to_none=True)
     step += 1
     tokens_seen += TOTAL_BATCH_TOKENS
-    if timed_start is not None:
-        timed_tokens += TOTAL_BATCH_TOKENS
 
     if step % LOG_EVERY == 0:
         train_loss = loss_sum.item() / ACCUM_STEPS  # host sync, only on logging steps
@@ -381,7 +385,7 @@ stats = {
     "training_seconds": training_time,
     "total_seconds": time.time() - T_START,
     "peak_vram_mb": torch.cuda.max_memory_allocated() / 2**20 if use_cuda else 0.0,
-    "mfu_percent": 100 * timed_tokens * FLOPS_PER_TOKEN / training_time / peak_flops if peak_flops else 0.0,
+    "mfu_percent": 100 * tokens_seen * FLOPS_PER_TOKEN / training_time / peak_flops if peak_flops else 0.0,
     "total_tokens_M": tokens_seen / 1e6,
     "num_steps": step,
     "num_params_M": num_params / 1e6,
