@@ -186,3 +186,9 @@ def survivors(namespace: str | None) -> list[int]:
         if entry.isdigit() and entry != str(os.getpid()) and namespace_of(int(entry)) == namespace:
             found.append(int(entry))
     return found
+
+
+if __name__ == "__main__":  # `python -I sandbox.py`: exit 0 if candidates can be sandboxed here
+    problem = available()
+    print(problem or "ok: candidates run in a bubblewrap sandbox")
+    sys.exit(1 if problem else 0)

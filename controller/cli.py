@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,11 @@ import yaml
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import API_VERSION, SpecError
 from controller.ledger import Ledger
+from controller.backends.local import UNSAFE_ENV
 from controller.local import LAB_FILE, BaselineFailed, LocalLab, load_yaml_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_FILES = ("prepare.py", "train.py", "run.py", "evaluate.py", "README.md")
+BENCH_FILES = ("prepare.py", "train.py", "run.py", "evaluate.py", "sandbox.py", "README.md")
 
 
 class CliError(Exception):
@@ -268,7 +270,18 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
 
 
 def cmd_run(a) -> int:
-    return run_loop(LocalLab(a.lab), watch=a.watch, interval=a.interval)
+    lab = LocalLab(a.lab)
+    if a.unsafe_no_sandbox:
+        os.environ[UNSAFE_ENV] = "1"
+        print("autolab: WARNING: candidates run WITHOUT a sandbox (--unsafe-no-sandbox): a hostile "
+              "train.py can forge its metric and change the lab; every result says so",
+              file=sys.stderr)
+    else:
+        problem = lab.backends["local"].sandbox_problem()
+        if problem:
+            raise CliError(f"cannot isolate candidates on this machine: {problem}. Install "
+                           "bubblewrap, or pass --unsafe-no-sandbox for candidates you trust")
+    return run_loop(lab, watch=a.watch, interval=a.interval)
 
 
 def cmd_get(a) -> int:
@@ -425,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "reconcile until every experiment is finished")
     sp.add_argument("--watch", action="store_true", help="keep running and pick up new specs")
     sp.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    sp.add_argument("--unsafe-no-sandbox", action="store_true",
+                    help="run candidates without bubblewrap (only for code you trust; every "
+                         "result says so)")
     sp = add("get", cmd_get, "list experiments (or one)")
     sp.add_argument("name", nargs="?")
     sp.add_argument("-o", "--output", choices=["wide", "json", "yaml"])

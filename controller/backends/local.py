@@ -2,11 +2,25 @@
 
 Each run gets a directory `.autolab/runs/<run>/` holding `launch.json` (the
 pid and its kernel start time, so a recycled pid is never mistaken for our
-run), `log.txt` (the harness's output) and, at the end, `result.json`, which
-the harness writes atomically. Runs start in their own session, so a killed
+run), `candidate/train.py` (the committed bytes of the experiment, written by
+the controller), `key` (the run's result-signing key), `log.txt` (the
+harness's output) and, at the end, `result.json`, which the harness writes
+atomically and signs. Runs start in their own session, so a killed
 controller leaves them training; a restarted one finds the directory, sees the
 process alive (or the result written) and adopts it instead of starting it
 again. A run that vanished without a result is reported lost.
+
+What the controller trusts (the candidate is hostile, see bench/sandbox.py):
+the harness it starts is a pinned copy, `.autolab/harness/<commit>/`, written
+from the git blobs of the lab's first commit and checked against them before
+every run, never the lab's editable `bench/`; it runs with `python -I`; a
+result is read only after the harness process has ended, and only if its
+HMAC verifies under the run's key, it names this run and the sha1 of the bytes
+the controller asked to run. After a run the lab's `bench/` is compared with
+git; a change is restored and the run becomes an infrastructure error. Without
+bubblewrap the harness refuses to run candidates, unless the user said
+`autolab run --unsafe-no-sandbox` (AUTOLAB_UNSAFE_NO_SANDBOX=1), which every
+result then says.
 
 Slots are GPUs: one run per visible GPU with `CUDA_VISIBLE_DEVICES` set to
 its id, or one CPU slot on a machine without GPUs. `AUTOLAB_GPUS=0,1` names
@@ -15,6 +29,8 @@ the ids by hand (tests use it to stand in for GPUs).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -65,6 +81,29 @@ def _start_ticks(pid: int) -> str | None:
     return fields[19]
 
 
+HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
+
+
+def result_signature(key: bytes, result: dict) -> str:
+    """HMAC-SHA256 over the result without its signature (bench/run.py's `signature`)."""
+    body = {k: v for k, v in result.items() if k != "signature"}
+    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True)
+
+
+def _blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
 class LocalBackend:
     name = "local"
 
@@ -81,30 +120,146 @@ class LocalBackend:
     def log_path(self, run: str) -> Path:
         return self.run_dir(run) / "log.txt"
 
+    # -- the pinned harness --------------------------------------------------------------------
+    def _pin_commit(self) -> str:
+        """The lab's first commit: the harness it was made with."""
+        out = _git(self.root, "rev-list", "--max-parents=0", "autolab/master")
+        roots = out.stdout.decode().split()
+        if out.returncode != 0 or not roots:
+            raise HarnessError(f"{self.root}: cannot find the lab's first commit "
+                               f"({out.stderr.decode().strip()})")
+        return roots[-1]
+
+    def harness(self) -> Path:
+        """The pinned harness directory, written from git and checked against it."""
+        commit = self._pin_commit()
+        pinned = self.root / ".autolab" / "harness" / commit[:12]
+        for name in HARNESS_FILES:
+            want = _git(self.root, "rev-parse", f"{commit}:bench/{name}")
+            if want.returncode != 0:
+                raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "
+                                   "lab was made by an older autolab; make a new one with "
+                                   "`autolab init`")
+            blob = want.stdout.decode().strip()
+            path = pinned / name
+            if path.is_file() and _blob_id(path.read_bytes()) == blob:
+                continue
+            data = _git(self.root, "cat-file", "blob", blob).stdout
+            if _blob_id(data) != blob:
+                raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
+            pinned.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, data.decode("utf-8"))
+        return pinned
+
+    def sandbox_problem(self) -> str | None:
+        """None if this machine can sandbox candidates (the pinned harness asks bubblewrap)."""
+        try:
+            harness = self.harness()
+        except HarnessError as e:
+            return str(e)
+        done = subprocess.run([sys.executable, "-I", str(harness / "sandbox.py")],
+                              capture_output=True, text=True)
+        return None if done.returncode == 0 else (done.stdout.strip() or done.stderr.strip())
+
+    def restore_bench(self) -> list[str]:
+        """Put the lab's harness files (bench/prepare.py, ...) back as git has them; the ones that
+        had changed. (Runs never use them: a change means something escaped a sandbox, or ran
+        without one.)"""
+        paths = [f"bench/{n}" for n in HARNESS_FILES]
+        st = _git(self.root, "status", "--porcelain", "--", *paths)
+        changed = [line[3:] for line in st.stdout.decode(errors="replace").splitlines() if line.strip()]
+        if changed:
+            _git(self.root, "checkout", "HEAD", "--", *changed)
+        return changed
+
+    # -- runs ----------------------------------------------------------------------------------
     def submit(self, req: RunRequest) -> RunObservation:
         d = self.run_dir(req.run)
         if (d / "launch.json").exists() or (d / "result.json").exists():
             return self.observe(req.run)  # adopt: never start a run twice
         d.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-u", str(self.bench / "run.py"),
-               "--candidate", req.candidate_path, "--result", str(d / "result.json"),
-               "--source", req.data, "--termination-log", str(d / "termination.json")]
+        try:
+            harness = self.harness()
+        except HarnessError as e:
+            return RunObservation(req.run, "error", message=str(e),
+                                  result={"status": "error", "reason_code": "HarnessError",
+                                          "reason": str(e)})
+        code = req.candidate_source.encode("utf-8")
+        (d / "candidate").mkdir(exist_ok=True)
+        (d / "candidate" / "train.py").write_bytes(code)  # the committed bytes, not a worktree
+        key = os.urandom(32)
+        fd = os.open(d / "key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        unsafe = os.environ.get(UNSAFE_ENV) == "1"
+        key_r, key_w = os.pipe()
+        cmd = [sys.executable, "-I", str(harness / "run.py"),
+               "--candidate", str(d / "candidate" / "train.py"), "--result", str(d / "result.json"),
+               "--source", req.data, "--termination-log", str(d / "termination.json"),
+               "--sandbox", "none" if unsafe else "bwrap", "--key-fd", str(key_r), "--run", req.run]
         if req.budget_seconds:
             cmd += ["--budget", str(req.budget_seconds)]
-        env = dict(os.environ, AUTOLAB_BENCH_PROFILE=req.profile, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items()
+               if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
+                        "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS")}
+        env.update(AUTOLAB_BENCH_PROFILE=req.profile, PYTHONUNBUFFERED="1")
         cpu = req.slot is None or str(req.slot).startswith("cpu")
         env["CUDA_VISIBLE_DEVICES"] = "" if cpu else str(req.slot)
-        env.pop("AUTOLAB_GPUS", None)
         if self.cache_dir:
             env["AUTOLAB_CACHE"] = self.cache_dir
         with open(d / "log.txt", "ab") as log:
             proc = subprocess.Popen(cmd, cwd=str(d), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    pass_fds=(key_r,))
+        os.close(key_r)
+        with os.fdopen(key_w, "wb") as f:
+            f.write(key)
         atomic_write(d / "launch.json", json.dumps({
             "pid": proc.pid, "start": _start_ticks(proc.pid), "slot": req.slot,
-            "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd}) + "\n")
+            "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
+            "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe}) + "\n")
         return RunObservation(req.run, "running", job_id=str(proc.pid),
                               worker=f"local:{os.uname().nodename}:{req.slot}")
+
+    def _judge(self, run: str, launch: dict) -> dict:
+        """The result of a run that has ended, as far as the controller believes it."""
+        d = self.run_dir(run)
+        try:
+            result = json.loads((d / "result.json").read_text())
+            if not isinstance(result, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            return {"status": "failed", "reason_code": "ResultNotAuthentic",
+                    "reason": f"the result file is unreadable ({e})"}
+        wrong = self._authentic(run, launch, result)
+        if wrong:
+            return {"status": "failed", "reason_code": "ResultNotAuthentic",
+                    "reason": f"the result in {d / 'result.json'} is not this run's harness's: "
+                              f"{wrong}; nothing of it is believed"}
+        changed = self.restore_bench()
+        if changed:
+            return {"status": "error", "reason_code": "HarnessTampered",
+                    "reason": f"the lab's {', '.join(changed)} changed during the run and was "
+                              "restored from git; the run is void"}
+        return result
+
+    def _authentic(self, run: str, launch: dict, result: dict) -> str | None:
+        """None if the result is this run's harness's; else what is wrong with it."""
+        try:
+            key = (self.run_dir(run) / "key").read_bytes()
+        except OSError:
+            return "the run's key is missing"
+        sig = result.get("signature")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, result_signature(key, result)):
+            return "its signature does not verify under this run's key"
+        if result.get("run") != run:
+            return f"it names the run {result.get('run')!r}"
+        want = launch.get("candidateSha1")
+        if want and result.get("candidate_sha1") not in (None, want):
+            return "it measured another program than the one this run was asked to run"
+        if result.get("status") == "succeeded" and result.get("candidate_sha1") != want:
+            return "it does not name the candidate it measured"
+        return None
 
     def observe(self, run: str) -> RunObservation:
         d = self.run_dir(run)
@@ -113,22 +268,24 @@ class LocalBackend:
             launch = json.loads((d / "launch.json").read_text())
         worker = f"local:{os.uname().nodename}:{launch.get('slot')}"
         job_id = str(launch.get("pid", ""))
-        if (d / "result.json").exists():
-            result = json.loads((d / "result.json").read_text())
-            state = {"succeeded": "succeeded", "failed": "failed", "error": "error",
-                     "cancelled": "cancelled"}.get(result.get("status"), "failed")
-            self._reap(launch)
-            return RunObservation(run, state, result=result, message=result.get("reason", ""),
-                                  job_id=job_id, worker=worker)
-        if not launch:
-            return RunObservation(run, "missing")
         if launch.get("start") and _start_ticks(launch["pid"]) == launch["start"]:
-            return RunObservation(run, "running", job_id=job_id, worker=worker)
-        # The process may have written its result just now: look once more.
-        if (d / "result.json").exists():
-            return self.observe(run)
-        return RunObservation(run, "lost", message="the run process exited without writing a "
-                                                   f"result; see {d / 'log.txt'}",
+            return RunObservation(run, "running", job_id=job_id, worker=worker)  # no peeking
+        if not (d / "result.json").exists():
+            if not launch:
+                return RunObservation(run, "missing")
+            return RunObservation(run, "lost", message="the run process exited without writing "
+                                                       f"a result; see {d / 'log.txt'}",
+                                  job_id=job_id, worker=worker)
+        self._reap(launch)
+        verdict = d / "verdict.json"  # the controller's view of the result, decided once
+        if verdict.exists():
+            result = json.loads(verdict.read_text())
+        else:
+            result = self._judge(run, launch)
+            atomic_write(verdict, json.dumps(result) + "\n")
+        state = {"succeeded": "succeeded", "failed": "failed", "error": "error",
+                 "cancelled": "cancelled"}.get(result.get("status"), "failed")
+        return RunObservation(run, state, result=result, message=result.get("reason", ""),
                               job_id=job_id, worker=worker)
 
     def _reap(self, launch: dict) -> None:
@@ -158,9 +315,11 @@ class LocalBackend:
             if _start_ticks(pid) != launch["start"]:
                 break
         if not (d / "result.json").exists():
-            atomic_write(d / "result.json", json.dumps(
-                {"version": 1, "status": "cancelled", "reason": "cancelled by the user",
-                 "exit_code": None}) + "\n")
+            result = {"version": 2, "run": run, "status": "cancelled",
+                      "reason": "cancelled by the user", "exit_code": None}
+            key = (d / "key").read_bytes() if (d / "key").exists() else b""
+            result["signature"] = result_signature(key, result)
+            atomic_write(d / "result.json", json.dumps(result) + "\n")
         return self.observe(run)
 
     def slot_of(self, run: str) -> str | None:

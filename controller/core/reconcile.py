@@ -29,6 +29,12 @@ from controller.core.spec import ExperimentSpec, LabSpec
 
 TERMINAL = ("Invalid", "Duplicate", "Conflict", "Succeeded", "Failed", "Cancelled")
 ACTIVE = ("Queued", "Running")
+# Reason codes of the run harness (bench/run.py) that a Failed phase carries as its reason.
+HARNESS_REASONS = {
+    "failed": ("CandidateCrashed", "BudgetExceeded", "NoExport", "NoTraining", "ExportRefused",
+               "NotCausal", "EvaluationFailed", "ProcessesLeft", "ResultNotAuthentic"),
+    "error": ("HarnessTampered", "DataUnavailable", "SandboxUnavailable", "HarnessError"),
+}
 RUN_STATES = ("missing", "queued", "running", "succeeded", "failed", "error", "cancelled", "lost")
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -296,6 +302,9 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     if run.state in ("failed", "error", "lost"):
         reason = {"failed": "CandidateFailed", "error": "InfrastructureError",
                   "lost": "RunLost"}[run.state]
+        code = (run.result or {}).get("reason_code")
+        if code in HARNESS_REASONS.get(run.state, ()):
+            reason = code  # the harness's own verdict, e.g. BudgetExceeded
         detail = (run.result or {}).get("reason") or run.message or "no reason given"
         s.phase("Failed", reason, f"The run failed: {detail}", warning=True)
         return _settle_terminal(s)
