@@ -80,6 +80,14 @@ def available() -> str | None:
     return None
 
 
+def wants_gpu() -> bool:
+    """Whether the run gets the NVIDIA devices: there are some, and CUDA_VISIBLE_DEVICES does not
+    hide them all (the local backend sets it to "" for a CPU slot)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
 def _python_dirs() -> list[Path]:
     """The Python installation the harness runs: prefixes and every directory on sys.path."""
     dirs = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent.parent}

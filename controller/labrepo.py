@@ -29,7 +29,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
-from controller.core.hashing import candidate_hash, semantic_hash
+from controller.core.hashing import candidate_hash, check_candidate_source, semantic_hash
 from controller.core.reconcile import Candidate, Master, PromotionResult, beats
 from controller.core.spec import ExperimentSpec, LabSpec
 
@@ -214,7 +214,12 @@ class LabRepo:
             self.git("commit", "--quiet", "--amend", "--allow-empty", "-m",
                      spec.hypothesis + trailers.replace(parent["hash"], master.hash)
                      + f"\nAutolab-Rebased-From: {parent['hash']}", cwd=wt)
-        source = (wt / surface).read_text(encoding="utf-8")
+        raw = (wt / surface).read_bytes()
+        refused = check_candidate_source(raw, surface)  # what Python runs is what we hash
+        if refused is not None:
+            self._remove_worktree(name)
+            return Candidate(refusal="Invalid", reason=refused.reason, message=refused.message)
+        source = raw.decode("utf-8")
         try:
             compile(source, surface, "exec", dont_inherit=True)
             sem = semantic_hash(source)
@@ -223,6 +228,11 @@ class LabRepo:
             return Candidate(refusal="Invalid", reason="CompileError",
                              message=f"candidate does not compile: {surface} line {e.lineno}: "
                                      f"{e.msg}")
+        except (RecursionError, MemoryError):  # Python could not run it either
+            self._remove_worktree(name)
+            return Candidate(refusal="Invalid", reason="CompileError",
+                             message=f"candidate does not compile: {surface} is nested too "
+                                     "deeply for Python's compiler; split the expression")
         commit = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
         self.git("branch", "-f", f"autolab/exp/{name}", commit)
         return Candidate(candidate_hash=candidate_hash(source), semantic_hash=sem,

@@ -36,7 +36,9 @@ from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Ev
                                        RunObservation, World, allocate_slots,
                                        baseline_run_name, reconcile, reconcile_baseline,
                                        run_name)
-from controller.core.spec import ExperimentSpec, LabSpec, SpecError, validate_document
+from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
+                                      with_recovery)
+from controller.core.spec import ExperimentSpec, LabSpec, SpecError, trackable, validate_document
 from controller.labrepo import LabRepo, atomic_write, recorded_duplicate
 from controller.ledger import Ledger
 from controller.memory import memory_hook
@@ -323,10 +325,84 @@ class LocalLab:
         return None
 
     # -- one pass over the lab -----------------------------------------------------------------
+    def _planning_record(self, name: str) -> dict:
+        """A record to plan a pass with; one that cannot be read, or is mis-shaped, reads as {}.
+
+        The experiment's own reconcile meets the problem and tells it on that experiment.
+        """
+        try:
+            r = self.read_record(name)
+        except (OSError, ValueError):
+            return {}
+        st = (r.get("status") or {}) if isinstance(r, dict) else None
+        spec = (r.get("spec") or {}) if isinstance(r, dict) else None
+        text = (str, type(None))
+        ok = (isinstance(st, dict) and isinstance(spec, dict)
+              and all(isinstance(st.get(k), text) for k in ("phase", "createdAt", "queuedAt",
+                                                             "candidateHash", "semanticHash"))
+              and isinstance(st.get("job") or {}, dict)
+              and isinstance((st.get("job") or {}).get("slot"), text)
+              and isinstance(spec.get("priority", 0), int))
+        return r if ok else {}
+
+    def _reconcile_isolated(self, name: str, sf: SpecFile | None, slot: str | None = None,
+                            deleting: bool = False) -> str | None:
+        """`reconcile_one`, with a failure kept to that experiment; returns its message, if any.
+
+        One experiment's bad state must not stop the pass for all the others. The failure goes
+        into its events and its status (once per distinct message; see core/failures.py) and
+        the next pass tries again.
+        """
+        try:
+            decision = self.reconcile_one(name, sf, slot=slot, deleting=deleting)
+        except Exception as e:  # isolation is the point: whatever it is, it is this one's
+            try:
+                self.read_record(name)
+                message = failure_message(name, e)
+            except (OSError, ValueError) as unreadable:
+                message = failure_message(name, SpecError(
+                    f"its status file {self._record_path(name)} cannot be read ({unreadable}); "
+                    "restore it, or remove it to start the experiment over"))
+            if self._amend_status(name, lambda st: with_failure(st, message, utcnow())) \
+                    or not self._told_already(name, message):
+                self._log_events(name, [Event("Warning", RECONCILE_ERROR, message)])
+            return message
+        if decision is not None and not decision.finalized and failing(decision.status):
+            self._amend_status(name, lambda st: with_recovery(st, utcnow()))
+        return None
+
+    def _amend_status(self, name: str, change: Callable[[dict], dict | None]) -> bool:
+        """Apply `change` to a readable record's status under its lock; True if it changed."""
+        try:
+            with FileLock(str(self.state / "locks" / f"exp-{name}.lock")):
+                record = self.read_record(name)
+                st = record.get("status") if isinstance(record, dict) else None
+                new = change(st) if isinstance(st, dict) else None
+                if new is None:
+                    return False
+                record["status"] = new
+                self.write_record(name, record)
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def _told_already(self, name: str, message: str) -> bool:
+        try:
+            last = (self.events(name) or [{}])[-1]
+        except (OSError, ValueError):
+            return False
+        return last.get("reason") == RECONCILE_ERROR and last.get("message") == message
+
     def step(self, deleting: set[str] = frozenset()) -> "PassSummary":
         loaded = self.load_specs()
+        for n in [n for n, sf in loaded.specs.items() if not trackable(sf.doc)]:
+            # Its name keys files and a JSON copy of it is kept: it names no experiment.
+            sf = loaded.specs.pop(n)
+            loaded.errors.append(sf.error or f"{sf.path}: metadata.name: expected a lowercase "
+                                              "DNS label (a-z, 0-9, '-')")
+        failures: list[str | None] = []
         known = set(self.names())
-        records = {n: self.read_record(n) for n in known}
+        records = {n: self._planning_record(n) for n in known}
         self._inflight = {}
         for n, r in records.items():
             self._index_inflight(n, r.get("status") or {})
@@ -334,15 +410,15 @@ class LocalLab:
         order = sorted(loaded.specs, key=lambda n: (
             (records.get(n, {}).get("status") or {}).get("createdAt") or "~",
             loaded.specs[n].path.stat().st_mtime if loaded.specs[n].path.exists() else 0, n))
-        # 1. deletions and pre-run checks, oldest first
+        # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment
         for n in sorted(gone | (set(deleting) & known)):
-            self.reconcile_one(n, None, deleting=True)
+            failures.append(self._reconcile_isolated(n, None, deleting=True))
         for n in order:
             phase = (records.get(n, {}).get("status") or {}).get("phase")
             if phase in (None, "Pending"):
-                self.reconcile_one(n, loaded.specs[n])
+                failures.append(self._reconcile_isolated(n, loaded.specs[n]))
         # 2. slots: the baseline first, then queued experiments by priority
-        records = {n: self.read_record(n) for n in self.names()}
+        records = {n: self._planning_record(n) for n in self.names()}
         slots = visible_slots(self.lab.gpu_slots)
         busy = {((r.get("status") or {}).get("job") or {}).get("slot") for r in records.values()
                 if (r.get("status") or {}).get("phase") in ACTIVE}
@@ -359,13 +435,14 @@ class LocalLab:
         for n, r in records.items():
             st = r.get("status") or {}
             if st.get("phase") in ACTIVE or (st.get("phase") in TERMINAL and n in loaded.specs):
-                self.reconcile_one(n, loaded.specs.get(n), slot=grant.get(n))
-        return self.summary(loaded.errors)
+                failures.append(self._reconcile_isolated(n, loaded.specs.get(n),
+                                                         slot=grant.get(n)))
+        return self.summary(loaded.errors + [f for f in failures if f])
 
     def summary(self, errors: list[str] | None = None) -> "PassSummary":
         rows = []
         for n in self.names():
-            r = self.read_record(n)
+            r = self._planning_record(n)
             rows.append((n, r.get("status") or {}, r.get("spec") or {}))
         m = self.repo.master()
         baseline_running = m.val_bpb is None

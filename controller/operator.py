@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
+                                      with_recovery)
 from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Event,
                                        RunObservation, World, baseline_run_name, reconcile,
                                        reconcile_baseline, run_name)
@@ -105,6 +107,10 @@ class OperatorConfig:
 
 class LabMissing(LookupError):
     """An Experiment names a Lab that does not exist in its namespace."""
+
+
+class LabUnusable(LabMissing):
+    """An Experiment names a Lab whose spec is invalid: it waits until the Lab is fixed."""
 
 
 def _plain(body: Any) -> dict:
@@ -258,6 +264,9 @@ class Operator:
         self.hooks: list[Callable[[LabRuntime, str, dict, dict], None]] = []
         self.settings: Any = None  # kopf's, from the startup handler
         self._queued: set[str] = set()  # objects with a resync pass waiting for a thread
+        # Experiments whose last pass failed for good, with the generation it failed at: the
+        # timer leaves them alone until the object changes (or the operator restarts).
+        self.failed: dict[tuple[str, str], int] = {}
 
     # -- plumbing --------------------------------------------------------------------------------
     def connect(self) -> "Kube":
@@ -301,10 +310,14 @@ class Operator:
             rt = LabRuntime(self, namespace, lab_obj)
             rt.sync()
             for exp in self.connect().list_custom(namespace, "experiments"):
-                spec = exp.get("spec") or {}
-                if spec.get("lab", "default") == lab:
-                    rt.book.observe(exp["metadata"]["name"], exp.get("status") or {},
-                                    _priority(spec))
+                try:
+                    spec = exp.get("spec") or {}
+                    if spec.get("lab", "default") == lab:
+                        rt.book.observe(exp["metadata"]["name"], exp.get("status") or {},
+                                        _priority(spec))
+                except Exception as e:  # one malformed object must not keep the lab down
+                    log.warning("Lab %s/%s: skipping Experiment %s while counting slots: %s",
+                                namespace, lab, (exp.get("metadata") or {}).get("name"), e)
             self.labs[key] = rt
             return rt
 
@@ -331,8 +344,29 @@ class Operator:
         if obj is None:
             return None
         lab = (obj.get("spec") or {}).get("lab", "default")
-        rt = self.runtime(namespace, lab if isinstance(lab, str) else "default")
-        return self._pass(rt, obj, deleting or bool(obj["metadata"].get("deletionTimestamp")))
+        try:
+            rt = self.runtime(namespace, lab if isinstance(lab, str) else "default")
+        except SpecError as e:
+            raise LabUnusable(str(e)) from None
+        try:
+            return self._pass(rt, obj, deleting or bool(obj["metadata"].get("deletionTimestamp")))
+        except Exception:
+            # The slot book is the lab's, shared by all its experiments: a slot granted or a
+            # candidate claimed by a pass that failed goes back to what the status says.
+            self._restore_book(rt, namespace, name)
+            raise
+
+    def _restore_book(self, rt: LabRuntime, namespace: str, name: str) -> None:
+        """Put an experiment back into the lab's slot book as the API server has it."""
+        try:
+            obj = self.connect().get_custom(namespace, "experiments", name)
+        except Exception:  # the API is away: the next pass observes it again
+            return
+        if obj is None:
+            rt.book.forget(name)
+            return
+        st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
+        _observe_or_forget(rt.book, name, st, _priority(obj.get("spec") or {}))
 
     def _pass(self, rt: LabRuntime, obj: dict, deleting: bool) -> Decision:
         meta = obj["metadata"]
@@ -430,6 +464,7 @@ class Operator:
             rt.book.forget(name)
             self.unsettled.discard(key)
             self.phases.pop(key, None)
+            self.failed.pop(key, None)
         elif st.get("phase") in TERMINAL and decision.intents:
             self.unsettled.add(key)  # the timer comes back for what is left
         else:
@@ -617,10 +652,14 @@ class Operator:
                 self._guarded(namespace, name)
         self._timed("experiment", work)
 
-    async def experiment_tick(self, namespace: str, name: str, status: Any, **_: Any) -> None:
+    async def experiment_tick(self, namespace: str, name: str, status: Any, meta: Any = None,
+                              **_: Any) -> None:
         """The resync timer: runs in flight, and anything a failed pass left undone."""
         if (status or {}).get("phase") in TERMINAL and (namespace, name) not in self.unsettled:
             return  # settled: nothing to look at (checked here, in the loop, at no cost)
+        failed_at = self.failed.get((namespace, name))
+        if failed_at is not None and failed_at == (meta or {}).get("generation"):
+            return  # failed for good at this generation: its status says why
         self._in_background("timer", self.lock(namespace, name),
                             lambda: self._guarded(namespace, name), f"{namespace}/{name}")
 
@@ -650,7 +689,8 @@ class Operator:
             except Exception as e:  # kopf is not waiting for this one: say it here
                 import kopf
 
-                expected = isinstance(e, (LookupError, SpecError, kopf.TemporaryError))
+                expected = isinstance(e, (LookupError, SpecError, kopf.TemporaryError,
+                                          kopf.PermanentError))
                 log.warning("resync of %s failed (the next one tries again): %s", what, e,
                             exc_info=not expected)
             finally:
@@ -664,15 +704,51 @@ class Operator:
             self._queued.discard(what)
 
     def _guarded(self, namespace: str, name: str) -> Decision | None:
+        """One pass, with its failure kept to this experiment and told on it.
+
+        A Lab that is missing or invalid: try again later. A known failure (a SpecError:
+        something in the objects that a person must fix) is told on the experiment's status
+        and Events and becomes kopf's PermanentError: trying again changes nothing until the
+        object does. Anything else is kopf's to retry, with back-off, and the timer's.
+        """
         import kopf
 
+        key = (namespace, name)
         try:
-            return self.reconcile_experiment(namespace, name)
+            decision = self.reconcile_experiment(namespace, name)
+        except LabUnusable as e:
+            raise kopf.TemporaryError(f"{e}; the experiment waits until its Lab is fixed",
+                                      delay=self.config.resync_seconds) from None
         except LabMissing as e:
             raise kopf.TemporaryError(str(e), delay=self.config.retry_seconds) from None
+        except SpecError as e:
+            message = failure_message(name, e)
+            self._tell_failure(namespace, name, message)
+            raise kopf.PermanentError(message) from None
         except Exception:
-            self.unsettled.add((namespace, name))  # the timer tries again, whatever the phase
+            self.unsettled.add(key)  # the timer tries again, whatever the phase
             raise
+        self.failed.pop(key, None)
+        if decision is not None and not decision.finalized and failing(decision.status):
+            recovered = with_recovery(decision.status, utcnow())
+            if recovered is not None:
+                self.connect().patch_status(namespace, "experiments", name, recovered)
+        return decision
+
+    def _tell_failure(self, namespace: str, name: str, message: str) -> None:
+        """Put a failure on the experiment's status and Events (once per message)."""
+        try:
+            obj = self.connect().get_custom(namespace, "experiments", name)
+            if obj is None:
+                return
+            self.failed[(namespace, name)] = (obj.get("metadata") or {}).get("generation")
+            st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
+            new = with_failure(st, message, utcnow())
+            if new is not None:
+                self.connect().patch_status(namespace, "experiments", name, new)
+                self._event(obj, Event("Warning", RECONCILE_ERROR, message))
+        except Exception as e:  # telling it must not hide what failed
+            log.warning("could not tell the failure of %s/%s on it: %s", namespace, name, e)
 
     def experiment_deleted(self, namespace: str, name: str, body: Any, **_: Any) -> None:
         import kopf
@@ -685,6 +761,13 @@ class Operator:
                     # Nowhere to record it: let it go rather than block the deletion forever.
                     kopf.warn(_ref(_plain(body)), reason="LabMissing",
                               message=f"{e}; the deletion is not recorded in any ledger.")
+                    return
+                except SpecError as e:
+                    # Known and lasting: trying again would block the deletion forever.
+                    kopf.warn(_ref(_plain(body)), reason=RECONCILE_ERROR,
+                              message=f"{failure_message(name, e)}; the object goes without "
+                                      "a ledger row (its Job, if any, goes with it).")
+                    self.failed.pop((namespace, name), None)
                     return
                 if decision is not None and not decision.finalized:
                     raise kopf.TemporaryError(
@@ -739,6 +822,14 @@ class Operator:
     def shutdown(self, **_: Any) -> None:
         if self.kube is not None:
             self.kube.api.close()
+
+
+def _observe_or_forget(book: "SlotBook", name: str, st: dict, priority: int) -> None:
+    """Put one experiment into a slot book as its last written status says."""
+    try:
+        book.observe(name, st, priority)
+    except Exception:  # a status too broken to read: hold nothing for it
+        book.forget(name)
 
 
 def _priority(spec: dict) -> int:

@@ -5,9 +5,12 @@ name it either relative to the lab root (`bench/train.py`) or by its file name
 (`train.py`), with or without git's `a/` `b/` prefixes. Everything else is
 refused here, before git sees the text: other files, renames and copies, new
 or deleted files, mode changes, binary patches, `..` or absolute paths, and
-text that is not a unified diff. What passes is rewritten into one canonical
-diff against the surface's lab-relative path, which git then applies in a
-worktree (see `controller.labrepo`): the hunks themselves are git's to judge.
+text that is not a unified diff, and characters a diff may not carry (NUL
+and other control characters, lone surrogates, a CR outside a CRLF line end,
+bidirectional controls: see `controller.core.spec`). What passes is rewritten
+into one canonical diff against the surface's lab-relative path, with LF line
+ends, which git then applies in a worktree (see `controller.labrepo`): the
+hunks themselves are git's to judge.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass
+
+from controller.core.spec import unsafe_character
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -69,6 +74,9 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
     if not text or not text.strip():
         raise DiffRefused("DiffEmpty", "diff is empty; write a unified diff of "
                                        f"{surface} (e.g. `git diff` or `diff -u`)")
+    bad = unsafe_character(text, "diff")
+    if bad:
+        raise DiffRefused("DiffUnsafeCharacter", f"diff {bad}")
     lines = text.replace("\r\n", "\n").split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -8,12 +8,61 @@ candidates with that hash equal are the same file for every practical purpose.
 change that only edits comments, blank lines or formatting hashes the same as
 the source it came from. A repeat dressed up that way is still a repeat, and
 no GPU is spent on it.
+
+Both hashes name the program only if Python runs the text they were taken
+from. The controller compiles and hashes a `str`, and `compile()` of a `str`
+ignores a PEP 263 coding declaration, while `python train.py` decodes the file's
+bytes by it: `# -*- coding: latin-1 -*-` (or `# vim: set fileencoding=... :`)
+would make the program that runs differ from the one that was checked. So
+`check_candidate_source` accepts strict UTF-8 only: no declaration of another
+encoding in the first two lines, no byte-order mark (the bytes are the
+identity; a BOM adds nothing but a second spelling of the same file), no NUL.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import re
+from typing import NamedTuple
+
+# PEP 263, as CPython's tokenizer reads it (a comment line in the first two lines).
+CODING_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)", re.ASCII)
+UTF8_NAMES = ("utf-8", "utf8")
+
+
+class SourceRefusal(NamedTuple):
+    """Why a candidate's source cannot be run: a CamelCase reason and a message with the fix."""
+
+    reason: str
+    message: str
+
+
+def check_candidate_source(data: bytes, surface: str = "bench/train.py") -> SourceRefusal | None:
+    """Refuse source whose bytes Python would read otherwise than the controller does."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        return SourceRefusal("SourceEncoding",
+                             f"{surface} starts with a UTF-8 byte-order mark; only plain UTF-8 "
+                             "source is accepted: remove the BOM")
+    for number, line in enumerate(re.split(rb"\r\n|\r|\n", data, maxsplit=2)[:2], start=1):
+        m = CODING_COOKIE.match(line)
+        if m and m.group(1).decode("ascii").lower().replace("_", "-") not in UTF8_NAMES:
+            return SourceRefusal("SourceEncoding",
+                                 f"{surface} line {number} declares the source encoding "
+                                 f"{m.group(1).decode('ascii')!r}; only UTF-8 source is "
+                                 "accepted: remove the coding declaration")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return SourceRefusal("SourceEncoding",
+                             f"{surface} line {line}: byte 0x{data[e.start]:02X} is not UTF-8; "
+                             "only UTF-8 source is accepted: save the file as UTF-8")
+    if "\0" in text:
+        line = text.count("\n", 0, text.index("\0")) + 1
+        return SourceRefusal("CompileError", f"candidate does not compile: {surface} line "
+                                             f"{line}: contains a NUL byte; remove it")
+    return None
 
 
 def normalise_source(source: str) -> str:

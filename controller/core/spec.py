@@ -10,6 +10,26 @@ with the file, the field and what is expected. Kubernetes structural schemas
 cannot say `additionalProperties: false` next to `properties`, so the CRD
 rendering drops those markers and relies on the API server's field pruning
 and `kubectl`'s strict field validation instead.
+
+Spec strings travel far: into git's argv and stdin, commit messages, file
+names, the ledger's TSV, status files, Events and people's terminals. So
+before the schema is consulted every string (and every field name) is checked
+to be printable Unicode: a NUL byte would cut git's argv short, ESC starts a
+terminal escape sequence, and a lone surrogate (what a YAML `"\\ud800"` escape
+makes) is not a character at all and cannot be written as UTF-8. The
+multi-line fields (the hypothesis, the diff, annotations) may also hold
+newlines and tabs, and a carriage return only as part of a CRLF line end (the
+diff parser turns CRLF into LF, so git never sees one). A diff may not hold
+bidirectional controls or Unicode line separators either: they make it read
+differently from the program git applies ("Trojan Source"). A refusal names
+the field, the line and column, and the fix.
+
+A document is also bounded (values, nesting) and made of JSON's types only,
+so YAML aliases cannot expand a few lines into millions of values and a YAML
+date cannot reach a JSON status file. `trackable` says whether a spec file
+can be tracked as an experiment at all, even an Invalid one: its name keys
+files (status, lock, events, notes), so a name that is not a DNS label names
+no experiment, as the Kubernetes API server would refuse the object.
 """
 
 from __future__ import annotations
@@ -180,11 +200,152 @@ class SpecError(ValueError):
     """A spec that cannot be accepted; the message names where and what to fix."""
 
 
-def _where(path: list) -> str:
+def _where(path: list | tuple) -> str:
     out = ""
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or "(top level)"
+
+
+# --- the text a spec may carry ------------------------------------------------------------------
+
+MAX_VALUES = 10_000  # values in one spec document; a real one has a few dozen
+MAX_DEPTH = 32  # nesting of mappings and lists
+_TOO_MANY = (f"the document holds more than {MAX_VALUES} values (YAML aliases that repeat a "
+             "list?); a spec is a few dozen")
+_SURROGATES = "\ud800-\udfff"
+_PATTERNS = {
+    # one line of printable text: names, hashes, labels, settings
+    "line": re.compile(f"[\x00-\x1f\x7f-\x9f{_SURROGATES}]"),
+    # several lines: newline and tab too, CR only in a CRLF line end
+    "text": re.compile(f"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f{_SURROGATES}]|\r(?!\n)"),
+    # a diff: text, without what makes it read differently from what git applies
+    "diff": re.compile(f"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f{_SURROGATES}"
+                       "\u202a-\u202e\u2066-\u2069\u2028\u2029]|\r(?!\n)"),
+}
+_TEXT_FIELDS = {("spec", "hypothesis"): "text", ("spec", "diff"): "diff"}
+_CONTROL_NAMES = {0x00: "a NUL byte (U+0000)", 0x07: "the bell character (U+0007)",
+                  0x08: "a backspace (U+0008)", 0x09: "a tab (U+0009)",
+                  0x0A: "a line break (U+000A)", 0x0D: "a carriage return (U+000D)",
+                  0x1B: "the escape character (U+001B)", 0x7F: "the delete character (U+007F)"}
+
+
+def _describe(ch: str, kind: str) -> tuple[str, str, str]:
+    """What the character is, why that matters (may be empty), and how to fix the text."""
+    cp = ord(ch)
+    fix = ("remove it (the field is one line of printable text)" if kind == "line"
+           else "remove it (only printable text, newlines and tabs are allowed)")
+    if 0xD800 <= cp <= 0xDFFF:
+        return (f"a lone surrogate (U+{cp:04X})", "which is not a Unicode character",
+                "write the character itself, not a \\uXXXX escape (use \\UXXXXXXXX in YAML "
+                "for characters beyond U+FFFF)")
+    if 0x202A <= cp <= 0x202E or 0x2066 <= cp <= 0x2069:
+        return (f"the bidirectional control U+{cp:04X}",
+                "which makes a diff read differently from the code it applies", "remove it")
+    if cp in (0x2028, 0x2029):
+        return (f"the Unicode {'line' if cp == 0x2028 else 'paragraph'} separator U+{cp:04X}",
+                "which makes a diff read differently from the code it applies",
+                "use a plain newline")
+    if cp == 0x0D and kind != "line":
+        return "a carriage return (U+000D)", "which is not part of a CRLF line end", fix
+    return _CONTROL_NAMES.get(cp, f"the control character U+{cp:04X}"), "", fix
+
+
+def unsafe_character(text: str, kind: str = "line") -> str | None:
+    """The first character `text` may not hold, as a phrase naming it, where, and the fix.
+
+    kind: "line" (one line of printable text), "text" (newlines and tabs too, CR only in
+    CRLF) or "diff" (text, without bidirectional controls and Unicode line separators).
+    The phrase reads `contains <what> at <where>[, <why>]; <fix>`.
+    """
+    m = _PATTERNS[kind].search(text)
+    if m is None:
+        return None
+    what, why, fix = _describe(m.group()[0], kind)
+    at = (f"character {m.start() + 1}" if kind == "line"
+          else text_position(text, m.start()))
+    return f"contains {what} at {at}{', ' + why if why else ''}; {fix}"
+
+
+def text_position(text: str, offset: int) -> str:
+    """`line L, column C` (1-based) of a character offset."""
+    line = text.count("\n", 0, offset) + 1
+    column = offset - text.rfind("\n", 0, offset)  # rfind is -1 on the first line
+    return f"line {line}, column {column}"
+
+
+def _text_kind(path: tuple) -> str:
+    if path[:2] == ("metadata", "annotations") and len(path) == 3:
+        return "text"
+    return _TEXT_FIELDS.get(path, "line")
+
+
+def _type_name(x: Any) -> str:
+    return type(x).__name__
+
+
+def _scan(doc: Any) -> tuple[list[str], str | None]:
+    """(the text problems, the shape problem) of a parsed document; walks at most MAX_VALUES.
+
+    A shape problem (too many values, too deep, not JSON's types) means the document cannot
+    even be kept; text problems mean it can be kept but not accepted.
+    """
+    problems: list[str] = []
+    shape: str | None = None
+    stack: list[tuple[tuple, Any]] = [((), doc)]
+    seen = 0
+    while stack:
+        path, node = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            return problems, _TOO_MANY
+        where = _where(path)
+        if len(path) > MAX_DEPTH:
+            return problems, f"{_where(path[:3])}: nested more than {MAX_DEPTH} levels deep"
+        if isinstance(node, dict):
+            children = []
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    shape = shape or (f"{where}: field names must be text, got "
+                                      f"{_type_name(k)} {ascii(k)[:60]}")
+                    continue
+                bad = unsafe_character(k, "line")
+                if bad:
+                    problems.append(f"{where}: a field name {bad}")
+                    continue
+                children.append((path + (k,), v))
+            stack.extend(reversed(children))
+        elif isinstance(node, list):
+            if seen + len(node) > MAX_VALUES:
+                return problems, _TOO_MANY
+            stack.extend(reversed([(path + (i,), v) for i, v in enumerate(node)]))
+        elif isinstance(node, str):
+            bad = unsafe_character(node, _text_kind(path))
+            if bad:
+                problems.append(f"{where}: {bad}")
+        elif node is not None and not isinstance(node, (bool, int, float)):
+            shape = shape or (f"{where}: expected text, a number, true/false, a list or a "
+                              f"mapping, got {_type_name(node)} {ascii(str(node))[1:-1][:60]} "
+                              "(quote it to make it text)")
+    return problems, shape
+
+
+def trackable(doc: Any) -> bool:
+    """Whether a spec document can be tracked as an experiment at all, even an Invalid one.
+
+    Its name keys the experiment's files (status, lock, events, notes), so it must be a
+    DNS label; and a copy of it is kept as JSON, so it must be bounded and of JSON's types.
+    A document that fails this names no experiment: its file is reported instead.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("metadata"), dict):
+        return False
+    name = doc["metadata"].get("name")
+    return isinstance(name, str) and is_valid_name(name) and _scan(doc)[1] is None
+
+
+def _show(x: Any, limit: int = 80) -> str:
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def _explain(err: jsonschema.ValidationError) -> str:
@@ -197,7 +358,7 @@ def _explain(err: jsonschema.ValidationError) -> str:
         hint = expect.get("description", "")
         return f"{field}: required field is missing" + (f" ({hint})" if hint else "")
     if v == "additionalProperties":
-        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})), key=str)
         known = ", ".join(sorted(err.schema.get("properties", {})))
         prefix = f"{where}." if err.absolute_path else ""
         msg = f"{prefix}{extra[0]}: unknown field; expected one of: {known}"
@@ -205,16 +366,18 @@ def _explain(err: jsonschema.ValidationError) -> str:
             msg += " (status is written by the controller; remove it from the spec)"
         return msg
     if v == "const":
-        return f"{where}: expected {err.validator_value!r}, got {err.instance!r}"
+        return f"{where}: expected {err.validator_value!r}, got {_show(err.instance)}"
     if v == "type":
-        return f"{where}: expected {err.validator_value}, got {type(err.instance).__name__} {err.instance!r}"
+        return (f"{where}: expected {err.validator_value}, got {type(err.instance).__name__} "
+                f"{_show(err.instance)}")
     if v == "enum":
-        return f"{where}: expected one of {', '.join(map(str, err.validator_value))}, got {err.instance!r}"
+        return (f"{where}: expected one of {', '.join(map(str, err.validator_value))}, "
+                f"got {_show(err.instance)}")
     if v == "pattern":
         what = "a lowercase DNS label (a-z, 0-9, '-')" if err.validator_value == NAME_PATTERN \
             else ("4 to 40 lowercase hex digits" if err.validator_value == HASH_PREFIX_PATTERN
                   else f"text matching {err.validator_value}")
-        return f"{where}: expected {what}, got {err.instance!r}"
+        return f"{where}: expected {what}, got {_show(err.instance)}"
     if v in ("maxLength", "minLength"):
         n = len(err.instance) if isinstance(err.instance, str) else 0
         if v == "minLength":
@@ -230,6 +393,9 @@ def validate_document(doc: Any, *, source: str = "spec", kind: str | None = None
     if not isinstance(doc, dict):
         raise SpecError(f"{source}: expected a mapping with apiVersion, kind, metadata and spec, "
                         f"got {type(doc).__name__}")
+    problems, shape = _scan(doc)
+    if shape or problems:
+        raise SpecError(f"{source}: " + "; ".join(([shape] if shape else []) + problems[:5]))
     k = kind or doc.get("kind")
     if k not in SCHEMAS:
         raise SpecError(f"{source}: kind: expected one of {', '.join(SCHEMAS)}, got {k!r}")
@@ -292,4 +458,5 @@ class LabSpec:
 
 
 def is_valid_name(name: str) -> bool:
-    return len(name) <= NAME_MAX and re.match(NAME_PATTERN, name) is not None
+    # fullmatch: `$` alone would let a trailing newline through
+    return len(name) <= NAME_MAX and re.fullmatch(NAME_PATTERN, name) is not None
