@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -306,6 +307,14 @@ def cmd_get(a) -> int:
     return 0
 
 
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Text a spec carried, safe for a terminal: control characters and lone surrogates escaped."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 def cmd_describe(a) -> int:
     lab = LocalLab(a.lab)
     r = lab.read_record(a.name)
@@ -334,7 +343,7 @@ def cmd_describe(a) -> int:
         out.append(f"  {e['time']}  {e['type']:<8}{e['reason']:<20}{e['message']}")
     out.append("Diff:")
     out += ["  " + line for line in (spec.get("diff") or "").splitlines()]
-    print("\n".join(out))
+    print(printable("\n".join(out)))
     return 0
 
 

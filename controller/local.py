@@ -46,6 +46,7 @@ from controller.tracking import tracking_hook
 
 LAB_FILE = "lab.yaml"
 SPEC_SUFFIXES = (".yaml", ".yml")
+LOCAL_BACKENDS = ("local", "hf")  # what the local loop can run
 
 
 def utcnow() -> str:
@@ -62,6 +63,8 @@ def load_yaml_file(path: Path) -> list:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
     try:
         return [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
@@ -69,6 +72,9 @@ def load_yaml_file(path: Path) -> list:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError(f"{path}:{where}: malformed YAML: {problem}") from None
+    except (RecursionError, ValueError) as e:  # nesting or integers beyond Python's limits
+        raise SpecError(f"{path}: cannot be read as YAML ({type(e).__name__}: nested too deep or a "
+                        "number too long); simplify the file") from None
 
 
 @dataclass
@@ -143,7 +149,8 @@ class LocalLab:
                                   f"{len(docs)}")
                 continue
             doc = docs[0]
-            name = ((doc.get("metadata") or {}).get("name") if isinstance(doc, dict) else None)
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+            name = meta.get("name") if isinstance(meta, dict) else None
             if not isinstance(name, str) or not name:
                 out.errors.append(f"{path}: metadata.name: required field is missing (the "
                                   "experiment's name, a lowercase DNS label)")
@@ -217,6 +224,13 @@ class LocalLab:
                 spec = ExperimentSpec.from_dict(record["spec"])
             except (KeyError, TypeError, AttributeError) as e:
                 spec_error = f"{record.get('file', name)}: spec: {e}"
+        if spec is not None and (spec.backend or self.lab.backend) not in LOCAL_BACKENDS \
+                and not (record.get("status") or {}).get("job"):
+            spec_error = (f"{record.get('file', name)}: spec.backend: "
+                          f"{spec.backend or self.lab.backend} is not available on one machine; "
+                          f"use one of {', '.join(LOCAL_BACKENDS)} (kubernetes runs through the "
+                          "operator: kubectl apply)")
+            spec = None
         st = record.get("status") or {}
         candidate = duplicate = promotion = None
         run: RunObservation | None = None

@@ -183,21 +183,27 @@ def test_one_experiment_failing_to_reconcile_does_not_stop_the_others(lab):
     assert good["phase"] == "Running" and good["job"]["name"] == "exp-good-lr-1"
     assert "exp-good-lr-1" in lab.backends["local"].runs
     errors = "\n".join(lab.passes[0].errors)
-    for name in ("broken-json", "broken-shape", "cluster-only"):
+    for name in ("broken-json", "broken-shape"):
         assert f"reconciling {name} failed: " in errors
     assert ("its status file " + str(lab.state / "status" / "broken-json.json")
             + " cannot be read") in errors
-    assert "backend 'kubernetes' is not available to the local loop" in errors
+
+
+def test_a_backend_the_local_loop_lacks_is_invalid_before_any_run(lab):
+    st = status(lab, "cluster-only")
+    assert (st["phase"], st["reason"]) == ("Invalid", "InvalidSpec")
+    assert "spec.backend: kubernetes is not available on one machine" in st["message"]
+    assert not st.get("job")
 
 
 def test_a_failure_is_told_on_the_experiment_once_not_on_every_pass(lab):
-    for name in ("broken-shape", "cluster-only"):
+    for name in ("broken-shape",):
         cond = next(c for c in status(lab, name)["conditions"] if c["type"] == RECONCILED)
         assert (cond["status"], cond["reason"]) == ("False", RECONCILE_ERROR)
         assert cond["message"].startswith(f"reconciling {name} failed: ")
         assert len(reconcile_events(lab, name)) == 1, "two passes, one event"
     assert len(reconcile_events(lab, "broken-json")) == 1
-    assert status(lab, "cluster-only")["phase"] == "Queued", "the phase is left alone"
+    assert status(lab, "broken-shape")["phase"] == "Pending", "the phase is left alone"
 
 
 def test_a_failure_that_heals_turns_its_condition_back(tmp_path, monkeypatch):
