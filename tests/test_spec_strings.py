@@ -392,3 +392,18 @@ def test_a_failed_pass_gives_back_the_slot_it_was_granted():
     obj["status"]["job"] = "not a mapping"
     op._restore_book(rt, "ns", "first")
     assert rt.book.held == {} and "first" not in rt.book.running
+
+
+@pytest.mark.parametrize("label, content", [
+    ("latin1-bytes", "metadata: {name: caf\xe9}\n".encode("latin-1")),
+    ("deep-nesting", b"spec: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"),
+    ("huge-integer", b"metadata: {name: x}\nspec: {priority: " + b"1" * 5000 + b"}\n"),
+    ("metadata-list", b"metadata: [1]\nspec: {}\n"),
+])
+def test_an_unreadable_spec_file_is_a_file_error_not_a_crash(tmp_path, label, content):
+    lab = new_lab(tmp_path / "lab")
+    (lab.root / "experiments" / f"{label}.yaml").write_bytes(content)
+    summary = lab.step()  # must not raise
+    errors = "\n".join(summary.errors)
+    assert f"{label}.yaml" in errors
+    assert not (lab.state / "status").exists() or not list((lab.state / "status").iterdir())
