@@ -1,115 +1,654 @@
-"""The evaluator: measures val_bpb of an exported model in a process of its own.
+"""The evaluator: measures val_bpb of an exported model that hostile code may have written.
 
-The run harness starts this after the candidate has exited. It loads
-`model.pt2` with `torch.export.load` (a graph of tensor operations plus
-weights: no Python code of the candidate comes with it), checks that the
-validation tokens and the byte table are the ones prepared before the
-candidate ran (sha256 of the bytes it then uses), checks that the program is
-causal (the logits of a position do not move when later positions, or other
-rows of the batch, change), and scores it with `prepare.evaluate_bpb`.
+The run harness starts this after the candidate and every process it left
+have gone, as `python -I evaluate.py ...` (isolated: no PYTHONPATH, no user
+site, no working directory on sys.path). It imports nothing but the standard
+library, the installed packages and the harness's own `prepare.py`, which it
+loads by its path next to this file. The archive `model.pt2` is the only thing
+the candidate made that it reads, and it treats it as hostile:
+
+1. The archive, before torch sees it. `torch.export.load` would unpickle
+   several members (sample inputs with a fallback to full pickle, weights or
+   constants marked `use_pickle`, torchbind and opaque objects), `exec` the
+   program's `guards_code`, `eval` symbolic shape expressions through sympy,
+   and load AOTInductor shared libraries. So the zip is read once into memory
+   and every member is checked against the layout that `prepare.export_model`
+   writes (torch 2.11-2.13):
+
+       <root>/archive_format, archive_version, byteorder, .data/version, .data/serialization_id
+       <root>/models/model.json                          the graph, as JSON
+       <root>/data/weights/model_weights_config.json     name -> raw tensor member
+       <root>/data/weights/weight_<n>                    raw tensor bytes, never a pickle
+       <root>/data/constants/model_constants_config.json
+       <root>/data/constants/tensor_<n>
+       <root>/data/sample_inputs/model.pt                must be EMPTY (export_model saves none)
+
+   Anything else, a payload with `use_pickle`, a compressed, encrypted,
+   duplicated, absolute or `..` member, or an archive over MAX_ARCHIVE_BYTES
+   is refused (reason_code ExportRefused). In `model.json` only plain
+   argument kinds are allowed (no symbolic shapes, custom objects or
+   operators passed as values), `guards_code` and `range_constraints` must be
+   empty, and every node calls an `aten` operator (minus the few that touch
+   files or global state) or an allowed higher-order operator (the bf16
+   autocast region). Node metadata (stack traces, module paths) is dropped.
+   Torch then loads a NEW archive rebuilt from exactly the checked bytes, so
+   no zip-parser disagreement can slip a member past the checks.
+2. The loaded program. Every call is an aten OpOverload, an allowed
+   higher-order operator or `getitem`. Functionalised
+   (`run_decompositions({})`), it must mutate nothing (no buffer, parameter
+   or input mutation; torch 2.13's export leaves `self.calls.add_(1)` as an
+   in-place op with an empty `buffers_to_mutate`, functionalisation surfaces
+   it) and call no random-number operator. After scoring, every tensor of
+   the module must be bit-for-bit what it was: a program whose output can
+   depend on how often it was called is refused.
+3. Causality, in every scored batch. `prepare.evaluate_bpb` scores windows
+   in a strided order (batch k holds windows k, k+n, k+2n, ...), so no row
+   of a batch continues another. For each batch the evaluator also runs a
+   perturbed copy: each row gets a cut point c (secret per-evaluation seed
+   from os.urandom; cuts are drawn as shuffled sweeps over 1..T so every
+   position is a cut once the rows outnumber it), the tokens from c on are
+   replaced with real validation text from elsewhere in the stream (its
+   first token differs from the original), and the rows are shuffled. The
+   log-probabilities of each row before its cut must not move by more than
+   CAUSALITY_TOLERANCE; otherwise reason_code NotCausal, naming the batch,
+   row, window and position. A model that reads token t+1 at position t is
+   caught in a row whose cut is t+1; reading other rows is caught because
+   the neighbours change. Together with the refusal of mutable state this
+   leaves no calls, rows or positions where cheating goes unchecked, only
+   positions that happen not to be cut: a peek at one position in every row
+   survives with probability (1 - 1/T)^rows, zero once rows >= T (the
+   default profile scores 5120 rows of 2048).
 
 It writes one JSON object to --out: {"ok": true, "val_bpb", "num_params",
-"eval_seconds", "device"} or {"ok": false, "blame": "candidate"|"harness",
-"reason"}. "harness" means the fault is not the candidate's (e.g. no GPU for
-a program exported on one): the run is an infrastructure error.
+"eval_seconds", "device", "reason_code": "Succeeded", "causality_max_nats"} or {"ok": false,
+"blame": "candidate"|"harness", "reason", "reason_code"}. "harness" means the
+fault is not the candidate's (e.g. no GPU for a program exported on one):
+the run is an infrastructure error.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import io
 import json
 import math
+import operator
 import os
+import re
 import sys
 import time
 import traceback
+import zipfile
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 
-CAUSALITY_TOLERANCE = 1e-2  # nats; the same kernels on the same shapes give equal numbers
+MAX_ARCHIVE_BYTES = 8 * 2**30  # the whole model.pt2, and the sum of its members
+MAX_ARCHIVE_MEMBERS = 100_000
+MAX_JSON_BYTES = 256 * 2**20  # model.json and the payload configs
+# Largest change of a log-probability (nats) before a row's cut that still counts as "unchanged";
+# a cheat that stays under it gains at most that many nats per token. An honest row is computed by
+# the same kernels on the same shapes in both passes, and no kernel reduces across rows (matmul,
+# attention and norms reduce within a row; masked attention scores contribute exactly 0), so the
+# numbers are bit-equal: 0.0 measured for train.py's tiny model and a 512-wide 8-layer GPT on the
+# CPU. The tolerance absorbs fp32 rounding (~1e-6 at logits of ~15) should a kernel change its
+# summation order. CUDA runs the model in bf16 autocast, where a changed order would round to
+# different bf16 values; it gets ten times more room, still small next to one bf16 step of a
+# logit near the softcap of 15 (0.06 nats), which no useful tolerance could absorb anyway. The
+# success JSON reports the largest change seen (causality_max_nats): the noise floor of a device.
+CAUSALITY_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
+OTHER_TEXT_TRIES = 16  # draws of replacement text until its first token differs from the original
+
+# reason_code values (a fact lives once: run.py copies them into result["reason_code"])
+SUCCEEDED = "Succeeded"
+NO_EXPORT = "NoExport"
+EXPORT_REFUSED = "ExportRefused"
+NOT_CAUSAL = "NotCausal"
+DATA_TAMPERED = "DataTampered"
+EVALUATION_FAILED = "EvaluationFailed"
+HARNESS_ERROR = "HarnessError"
+
+# Members under the archive's single root folder; values are the bytes a text member must hold.
+FIXED_MEMBERS = {"archive_format": {b"pt2"}, "archive_version": {b"0"}, "byteorder": {b"little"}}
+COUNTER_MEMBERS = {".data/version", ".data/serialization_id"}  # decimal numbers the zip writer adds
+PROGRAM_JSON = "models/model.json"
+SAMPLE_INPUTS = "data/sample_inputs/model.pt"
+PAYLOADS = {  # folder -> (its config member, the name pattern of its raw tensor members)
+    "data/weights/": ("data/weights/model_weights_config.json", re.compile(r"weight_\d{1,9}")),
+    "data/constants/": ("data/constants/model_constants_config.json", re.compile(r"tensor_\d{1,9}")),
+}
+# The argument kinds of model.json a plain tensor program needs. Left out: symbolic ints, floats
+# and bools (their expressions are parsed by sympy's eval), custom objects, operators as values.
+PLAIN_ARGUMENTS = frozenset({
+    "as_none", "as_tensor", "as_tensors", "as_int", "as_ints", "as_float", "as_floats", "as_string",
+    "as_strings", "as_scalar_type", "as_memory_format", "as_layout", "as_device", "as_bool", "as_bools",
+    "as_graph", "as_optional_tensors", "as_optional_tensor", "as_int_lists", "as_float_lists",
+})
+ATEN_TARGET = re.compile(r"torch\.ops\.aten\.([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)")
+ALLOWED_HIGHER_ORDER_OPS = frozenset({"wrap_with_autocast", "wrap_with_set_grad_enabled"})
+# aten operators that read or write files, print, or change process-wide state.
+DENIED_ATEN_OPS = frozenset({
+    "from_file", "save", "_print", "warn", "manual_seed", "seed", "initial_seed", "set_data",
+    "record_stream", "wait", "backward", "_backward", "retain_grad", "dist_backward",
+    "_cufft_clear_plan_cache", "_cufft_set_plan_cache_max_size", "set_grad_enabled",
+})
+STATE_NAME = re.compile(r"(?!__)[A-Za-z0-9_]+(\.(?!__)[A-Za-z0-9_]+)*")  # parameter/buffer/constant names
 
 
 class Failure(Exception):
-    def __init__(self, blame: str, reason: str) -> None:
+    def __init__(self, blame: str, reason: str, code: str) -> None:
         super().__init__(reason)
         self.blame = blame
+        self.code = code
 
 
-def check_causal(model, tokens, token_bytes, batch: int, seq_len: int) -> None:
-    """Raise Failure if row 0's first half of logits depends on anything after it."""
-    import numpy as np
+def refuse(reason: str) -> Failure:
+    return Failure("candidate", f"the exported model is refused: {reason}", EXPORT_REFUSED)
+
+
+def load_prepare():
+    """The harness's prepare.py next to this file, by path (sys.path is never consulted)."""
+    path = BENCH_DIR / "prepare.py"
+    loaded = sys.modules.get("prepare")
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("prepare", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["prepare"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------
+# 1. The archive, before torch sees it
+
+
+def read_archive(path: Path) -> dict[str, bytes]:
+    """The members of the zip at `path`, by their name under its single root folder."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_ARCHIVE_BYTES:
+                raise refuse(f"{path} is {size:,} bytes, over the limit of {MAX_ARCHIVE_BYTES:,}")
+            data = f.read(MAX_ARCHIVE_BYTES + 1)
+    except FileNotFoundError:
+        raise Failure("candidate", f"no exported model at {path}", NO_EXPORT) from None
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+        infos = zf.infolist()
+        if len(infos) > MAX_ARCHIVE_MEMBERS:
+            raise refuse(f"{path} has {len(infos):,} members, over the limit of {MAX_ARCHIVE_MEMBERS:,}")
+        members: dict[str, bytes] = {}
+        roots, total = set(), 0
+        for info in infos:
+            parts = _member_parts(info)
+            total += info.file_size
+            if total > MAX_ARCHIVE_BYTES:
+                raise refuse(f"the members of {path} add up to over {MAX_ARCHIVE_BYTES:,} bytes")
+            roots.add(parts[0])
+            rel = "/".join(parts[1:])
+            if rel in members:
+                raise refuse(f"member {info.filename!r} appears twice")
+            members[rel] = zf.read(info)  # checks the CRC and that the local header names the same file
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError) as e:
+        raise refuse(f"{path} is not a readable zip archive: {e}") from e
+    if len(roots) != 1:
+        raise refuse(f"the members of {path} must share one root folder, not {sorted(roots)[:5]}")
+    return members
+
+
+def _member_parts(info: zipfile.ZipInfo) -> list[str]:
+    name = info.filename
+    parts = name.split("/")
+    if (not name or name.startswith("/") or "\\" in name or "\x00" in name or re.match(r"[A-Za-z]:", name)
+            or len(parts) < 2 or any(p in ("", ".", "..") for p in parts)):
+        raise refuse(f"member {name!r} has an unsafe or unexpected path (absolute, '..', a folder entry)")
+    if info.flag_bits & 0x1:
+        raise refuse(f"member {name!r} is encrypted")
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+        raise refuse(f"member {name!r} is compressed; torch.export.save stores members uncompressed")
+    return parts
+
+
+def check_archive(members: dict[str, bytes]) -> dict[str, bytes]:
+    """Refuse what is not the layout export_model writes; returns the members torch may load."""
+    for rel in members:
+        if not _expected_member(rel):
+            raise refuse(f"unexpected member {rel!r} (export_model writes only a graph, raw weights and "
+                         "raw constants; pickles, custom objects, compiled code and extra files are refused)")
+    for rel, allowed in FIXED_MEMBERS.items():
+        if members.get(rel, b"").strip() not in allowed:
+            raise refuse(f"member {rel!r} must hold one of {sorted(allowed)}")
+    for rel in COUNTER_MEMBERS & members.keys():
+        if not re.fullmatch(rb"\d{1,64}\n?", members[rel]):
+            raise refuse(f"member {rel!r} must hold a number")
+    if members.get(SAMPLE_INPUTS):
+        raise refuse(f"{SAMPLE_INPUTS} holds {len(members[SAMPLE_INPUTS]):,} bytes of pickled sample inputs, "
+                     "which torch.export.load would unpickle; prepare.export_model saves none")
+    clean = {rel: members[rel] for rel in FIXED_MEMBERS}
+    clean[SAMPLE_INPUTS] = b""
+    for folder, (config_name, pattern) in PAYLOADS.items():
+        config = _check_payload_config(members, config_name, pattern)
+        for rel in members:
+            if rel.startswith(folder) and rel != config_name and rel[len(folder):] not in config:
+                raise refuse(f"member {rel!r} is not named by {config_name}")
+        clean[config_name] = members[config_name]
+        clean.update({folder + name: members[folder + name] for name in config})
+    if PROGRAM_JSON not in members:
+        raise refuse(f"the archive has no {PROGRAM_JSON}")
+    clean[PROGRAM_JSON] = check_program_json(members[PROGRAM_JSON])
+    return clean
+
+
+def _expected_member(rel: str) -> bool:
+    if rel in FIXED_MEMBERS or rel in COUNTER_MEMBERS or rel in (PROGRAM_JSON, SAMPLE_INPUTS):
+        return True
+    return any(rel == config or (rel.startswith(folder) and pattern.fullmatch(rel[len(folder):]))
+               for folder, (config, pattern) in PAYLOADS.items())
+
+
+def _check_payload_config(members: dict[str, bytes], config_name: str, pattern: re.Pattern) -> set[str]:
+    """The raw tensor members a weights/constants config names; refuses pickles and odd entries."""
+    doc = _json_member(members, config_name)
+    entries = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(entries, dict):
+        raise refuse(f"{config_name} has no 'config' object")
+    names = set()
+    for fqn, entry in entries.items():
+        if not STATE_NAME.fullmatch(fqn):
+            raise refuse(f"{config_name} names a tensor {fqn!r}; names are dotted identifiers")
+        if not isinstance(entry, dict) or entry.get("use_pickle") is not False:
+            raise refuse(f"{fqn!r} in {config_name} is stored as a pickle (use_pickle); only raw tensor "
+                         "bytes are accepted (a tensor subclass, a torchbind or an opaque object?)")
+        path_name = entry.get("path_name")
+        if not isinstance(path_name, str) or not pattern.fullmatch(path_name):
+            raise refuse(f"{fqn!r} in {config_name} points at {path_name!r}, not a raw tensor member")
+        if not isinstance(entry.get("tensor_meta"), dict):
+            raise refuse(f"{fqn!r} in {config_name} has no tensor_meta")
+        if config_name.rsplit("/", 1)[0] + "/" + path_name not in members:
+            raise refuse(f"{fqn!r} in {config_name} points at {path_name!r}, which the archive lacks")
+        names.add(path_name)
+    return names
+
+
+def _json_member(members: dict[str, bytes], rel: str) -> Any:
+    raw = members.get(rel)
+    if raw is None:
+        raise refuse(f"the archive has no {rel}")
+    if len(raw) > MAX_JSON_BYTES:
+        raise refuse(f"{rel} is {len(raw):,} bytes, over the limit of {MAX_JSON_BYTES:,}")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise refuse(f"{rel} is not JSON: {e}") from e
+
+
+def check_program_json(raw: bytes) -> bytes:
+    """Refuse a graph that loading would turn into code; return it without node metadata."""
+    doc = _json_member({PROGRAM_JSON: raw}, PROGRAM_JSON)
+    if not isinstance(doc, dict) or not isinstance(doc.get("graph_module"), dict):
+        raise refuse(f"{PROGRAM_JSON} is not a serialized ExportedProgram")
+    if doc.get("guards_code"):
+        raise refuse("the program carries guards_code (Python source that ExportedProgram.module() executes)")
+    if doc.get("range_constraints"):
+        raise refuse("the program has symbolic shapes (range_constraints); export_model exports one fixed shape")
+    graph = doc["graph_module"].get("graph")
+    if not isinstance(graph, dict):
+        raise refuse(f"{PROGRAM_JSON} has no graph")
+    for key in ("sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values"):
+        if graph.get(key):
+            raise refuse(f"the graph has {key} (symbolic values or custom objects)")
+    _check_signature_json(doc["graph_module"].get("signature"))
+    try:
+        _walk_program_json(doc)
+    except RecursionError:
+        raise refuse(f"{PROGRAM_JSON} is nested too deeply") from None
+    return json.dumps(doc).encode()
+
+
+def _check_signature_json(signature: Any) -> None:
+    if not isinstance(signature, dict):
+        raise refuse("the program has no signature")
+    state_keys = {"parameter": "parameter_name", "buffer": "buffer_name", "tensor_constant": "tensor_constant_name"}
+    inputs = signature.get("input_specs") or []
+    for spec in inputs:
+        kind = next(iter(spec), None) if isinstance(spec, dict) and len(spec) == 1 else None
+        if kind not in (*state_keys, "user_input"):
+            raise refuse(f"the program takes an input of kind {kind!r}; only the token ids, parameters, "
+                         "buffers and tensor constants are accepted")
+        name = spec[kind].get(state_keys[kind]) if kind in state_keys else None
+        if kind in state_keys and not (isinstance(name, str) and STATE_NAME.fullmatch(name)):
+            raise refuse(f"the program names a {kind} {name!r}; names are dotted identifiers")
+    outputs = signature.get("output_specs") or []
+    if [next(iter(o), None) for o in outputs if isinstance(o, dict)] != ["user_output"]:
+        raise refuse("the program must have exactly one output, the logits, and no mutations "
+                     f"(its outputs are {[next(iter(o), None) for o in outputs if isinstance(o, dict)]})")
+
+
+def _walk_program_json(node: Any) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _walk_program_json(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in node:
+        if key.startswith("as_") and key not in PLAIN_ARGUMENTS:
+            raise refuse(f"the graph has an argument of kind {key!r} (symbolic values, custom objects and "
+                         "operators as values are not accepted)")
+    if "as_graph" in node and not re.fullmatch(r"submod_\d{1,6}", str((node["as_graph"] or {}).get("name"))):
+        raise refuse("a region of the graph has an unexpected name; the autocast/grad-mode regions are submod_<n>")
+    if "target" in node and "inputs" in node:
+        _check_target_json(node["target"])
+        node["metadata"] = {}  # stack traces and module paths: text the loader parses, unneeded here
+    for value in node.values():
+        _walk_program_json(value)
+
+
+def _check_target_json(target: Any) -> None:
+    if not isinstance(target, str):
+        raise refuse(f"a graph node has the target {target!r}")
+    if m := ATEN_TARGET.fullmatch(target):
+        if m.group(1) in DENIED_ATEN_OPS:
+            raise refuse(f"the graph calls {target}, which reads or writes files or process-wide state")
+        return
+    if target.removeprefix("torch.ops.higher_order.") in ALLOWED_HIGHER_ORDER_OPS:
+        return
+    raise refuse(f"the graph calls {target!r}; only aten operators and the autocast/grad-mode regions "
+                 "are accepted (no Python functions, custom or extension operators)")
+
+
+def rebuild_archive(members: dict[str, bytes]) -> io.BytesIO:
+    """A fresh zip, written by torch's own writer, holding exactly the checked members."""
+    from torch.export.pt2_archive import PT2ArchiveWriter
+
+    buffer = io.BytesIO()
+    with PT2ArchiveWriter(buffer) as writer:
+        for rel, data in members.items():
+            if not writer.has_record(rel):  # the writer adds its own byteorder in some versions
+                writer.write_bytes(rel, data)
+    buffer.seek(0)
+    return buffer
+
+
+# ---------------------------------------------------------------------------
+# 2. The loaded program
+
+
+def load_program(members: dict[str, bytes]):
     import torch
 
-    import prepare
-
-    device = prepare._model_device(model)
-    n = batch * seq_len
-    x = torch.from_numpy(np.asarray(tokens[:n], dtype=np.int64)).view(batch, seq_len)
-    if len(tokens) >= 2 * n:
-        other = torch.from_numpy(np.asarray(tokens[n : 2 * n], dtype=np.int64)).view(batch, seq_len)
-    else:
-        gen = torch.Generator().manual_seed(0)
-        other = torch.randint(len(prepare.SPECIAL_TOKENS), len(token_bytes), (batch, seq_len), generator=gen)
-    half = seq_len // 2
-    changed = x.clone()
-    changed[0, half:] = other[0, half:]
-    changed[1:] = other[1:]
-    with torch.no_grad():
-        a = model(x.to(device))[0, :half].float().log_softmax(-1)
-        b = model(changed.to(device))[0, :half].float().log_softmax(-1)
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return  # non-finite logits fail the metric itself
-    diff = (a - b).abs().max().item()
-    if diff > CAUSALITY_TOLERANCE:
-        raise Failure(
-            "candidate",
-            f"the exported model is not causal: its predictions for early positions change by up to {diff:.3g} "
-            "nats when later tokens or other rows of the batch change",
-        )
+    devices = set()
+    for config_name, _ in PAYLOADS.values():
+        for entry in json.loads(members[config_name])["config"].values():
+            devices.add(str((entry["tensor_meta"].get("device") or {}).get("type")))
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise Failure("harness", "the model was exported on a GPU but the evaluator has none", HARNESS_ERROR)
+    try:
+        return torch.export.load(rebuild_archive(members))
+    except Exception as e:
+        raise refuse(f"torch.export.load failed: {type(e).__name__}: {e}") from e
 
 
-def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha256: str) -> dict:
-    import numpy as np
+def check_program(program, batch_size: int, seq_len: int) -> None:
+    """Refuse calls of anything but torch operators, and programs that keep state between calls."""
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    user_inputs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(user_inputs) != 1:
+        raise refuse(f"the program takes {len(user_inputs)} inputs; it must take the token ids alone")
+    idx = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == user_inputs[0].arg.name)
+    val = idx.meta.get("val")
+    if getattr(val, "dtype", None) != torch.int64 or tuple(getattr(val, "shape", ())) != (batch_size, seq_len):
+        raise refuse(f"the program takes {getattr(val, 'dtype', None)} of shape {tuple(getattr(val, 'shape', ()))}; "
+                     f"export_model exports token ids, int64 of shape ({batch_size}, {seq_len})")
+    _check_calls(program.graph_module)
+    try:
+        functional = program.run_decompositions({})
+    except Exception as e:
+        raise refuse(f"the program cannot be functionalised: {type(e).__name__}: {e}") from e
+    signature = functional.graph_signature
+    mutated = {**signature.buffers_to_mutate, **signature.user_inputs_to_mutate,
+               **getattr(signature, "parameters_to_mutate", {})}
+    if mutated or len(signature.output_specs) != 1:
+        names = sorted(set(mutated.values())) or [str(s.kind) for s in signature.output_specs]
+        raise refuse(f"the program changes its own state when called ({', '.join(names)}); it must be a pure "
+                     "function of the token ids")
+    for gm in functional.graph_module.modules():
+        for node in getattr(getattr(gm, "graph", None), "nodes", []):
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload):
+                if target._schema.is_mutable:
+                    raise refuse(f"the program mutates a tensor in place with {target} after functionalisation")
+                if _draws_random_numbers(node):
+                    raise refuse(f"the program draws random numbers ({target}); it must be deterministic")
+
+
+def _draws_random_numbers(node) -> bool:
+    """A random-number operator, unless its dropout is off (attention with dropout_p=0, dropout(train=False))."""
     import torch
 
-    import prepare
+    schema = node.target._schema
+    if torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    args = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    args.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    args.update(node.kwargs)
+    if "dropout_p" in args:
+        return args["dropout_p"] != 0
+    if "train" in args or "training" in args:
+        return bool(args.get("train", args.get("training")))
+    return True
+
+
+def _check_calls(root) -> None:
+    import torch
+
+    for gm in root.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            raise refuse(f"the program holds a module of type {type(gm).__name__}, not a graph")
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "get_attr":
+                value = _attr(gm, node.target)
+                if not isinstance(value, (torch.Tensor, torch.fx.GraphModule)):
+                    raise refuse(f"the graph reads an attribute {node.target!r} of type {type(value).__name__}")
+                continue
+            target = node.target
+            if node.op == "call_function" and (
+                (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+                 and target._schema.name.split("::")[-1] not in DENIED_ATEN_OPS
+                 and not any(a.name == "filename" for a in target._schema.arguments))
+                or (isinstance(target, torch._ops.HigherOrderOperator) and target.name() in ALLOWED_HIGHER_ORDER_OPS)
+                or target is operator.getitem
+            ):
+                continue
+            raise refuse(f"the graph node {node.name} is {node.op} {target!r}; only aten operators, the "
+                         "autocast/grad-mode regions and getitem are accepted")
+
+
+def _attr(module, dotted: str) -> Any:
+    for atom in str(dotted).split("."):
+        module = getattr(module, atom, None)
+    return module
+
+
+def snapshot(model) -> dict[str, Any]:
+    """Copies of every tensor the module holds: parameters, buffers and constants."""
+    import torch
+
+    state = {}
+    for prefix, sub in model.named_modules(remove_duplicate=False):
+        for name, value in list(vars(sub).items()) + list(sub._parameters.items()) + list(sub._buffers.items()):
+            if isinstance(value, torch.Tensor):
+                state[f"{prefix}.{name}" if prefix else name] = value.detach().clone()
+    return state
+
+
+def check_unchanged(model, before: dict[str, Any]) -> None:
+    after = snapshot(model)
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if k not in before or k not in after or not _same_bits(before[k], after[k]))
+    if changed:
+        raise refuse(f"the program changed its own tensors while it was evaluated ({', '.join(changed[:5])}); "
+                     "its output may depend on how often it was called")
+
+
+# ---------------------------------------------------------------------------
+# 3. Causality, in every scored batch
+
+
+class CausalityProbe:
+    """For each scored batch, runs a perturbed copy and compares log-probabilities before each row's cut.
+
+    `evaluate_bpb` calls it as probe(k, windows, x, logits) after scoring batch k.
+    """
+
+    def __init__(self, model, tokens, tolerance: float, seed: bytes) -> None:
+        import numpy as np
+
+        self.model = model
+        self.tokens = tokens
+        self.tolerance = tolerance
+        self.seed = seed
+        self.rng = np.random.default_rng(int.from_bytes(seed, "little"))
+        self._cuts: list[int] = []
+        self.max_moved = 0.0  # the largest change seen in an honest run: the device's noise floor
+
+    def _next_cut(self, seq_len: int) -> int:
+        if not self._cuts:  # a shuffled sweep over every cut: rows >= seq_len cover each position
+            self._cuts = [int(c) for c in self.rng.permutation(seq_len) + 1]
+        return self._cuts.pop()
+
+    def _other_text(self, length: int, avoid: int):
+        import numpy as np
+
+        for _ in range(OTHER_TEXT_TRIES):
+            start = int(self.rng.integers(0, len(self.tokens) - length + 1))
+            text = np.asarray(self.tokens[start : start + length], dtype=np.int64)
+            if text[0] != avoid:
+                break
+        return text
+
+    def _permutation(self, rows: int):
+        while True:
+            perm = self.rng.permutation(rows)
+            if rows < 2 or (perm != range(rows)).any():
+                return perm
+
+    def __call__(self, batch: int, windows: list[int], x, logits) -> None:
+        import torch
+
+        rows, seq_len = x.shape
+        original = x.cpu()
+        changed = original.clone()
+        cuts = [self._next_cut(seq_len) for _ in range(rows)]
+        for r, cut in enumerate(cuts):
+            if cut < seq_len:
+                changed[r, cut:] = torch.from_numpy(self._other_text(seq_len - cut, int(original[r, cut])))
+        perm = torch.from_numpy(self._permutation(rows))
+        with torch.no_grad():
+            out = self.model(changed[perm].to(x.device))
+        if tuple(out.shape) != tuple(logits.shape):
+            raise ValueError(f"model returned logits of shape {tuple(out.shape)} for the perturbed batch, "
+                             f"{tuple(logits.shape)} for the scored one")
+        unshuffled = torch.empty_like(out)
+        unshuffled[perm.to(out.device)] = out
+        for r, cut in enumerate(cuts):
+            moved = _moved(logits[r, :cut].float().log_softmax(-1), unshuffled[r, :cut].float().log_softmax(-1))
+            worst = float(moved.max())
+            self.max_moved = max(self.max_moved, worst)
+            if worst > self.tolerance:
+                pos = int((moved > self.tolerance).nonzero()[0, 0])
+                after = f"the tokens from position {cut} on were replaced and " if cut < seq_len else ""
+                raise Failure(
+                    "candidate",
+                    f"the exported model is not causal: in batch {batch}, row {r} (validation window "
+                    f"{windows[r]}), the log-probabilities at position {pos} moved by {float(moved[pos]):.3g} nats "
+                    f"(tolerance {self.tolerance:g}) when {after}the rows of the batch were shuffled; a "
+                    "prediction may depend only on its own row up to its own position "
+                    f"(evaluation seed {self.seed.hex()})",
+                    NOT_CAUSAL,
+                )
+
+
+def _same_bits(a, b) -> bool:
+    """Equal dtype, shape and bytes (NaN included, which torch.equal calls unequal)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def _moved(a, b):
+    """Per position, the largest |a - b| over the vocabulary; equal entries (equal infinities too) count 0."""
+    import torch
+
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=math.inf)).amax(-1)
+
+
+# ---------------------------------------------------------------------------
+# 4. Putting it together
+
+
+def read_data(data_dir: Path, val_sha256: str, token_bytes_sha256: str):
+    import numpy as np
 
     val_bytes = (data_dir / "val.bin").read_bytes()
     if hashlib.sha256(val_bytes).hexdigest() != val_sha256:
-        raise Failure("candidate", f"{data_dir / 'val.bin'} changed during the run; the result is void")
+        raise Failure("candidate", f"{data_dir / 'val.bin'} changed during the run; the result is void", DATA_TAMPERED)
     tb_bytes = (data_dir / "token_bytes.npy").read_bytes()
     if hashlib.sha256(tb_bytes).hexdigest() != token_bytes_sha256:
-        raise Failure("candidate", f"{data_dir / 'token_bytes.npy'} changed during the run; the result is void")
-    tokens = np.frombuffer(val_bytes, dtype=np.uint16)
-    token_bytes = np.load(io.BytesIO(tb_bytes))
+        raise Failure("candidate", f"{data_dir / 'token_bytes.npy'} changed during the run; the result is void",
+                      DATA_TAMPERED)
+    return np.frombuffer(val_bytes, dtype=np.uint16), np.load(io.BytesIO(tb_bytes), allow_pickle=False)
 
-    path = export_dir / "model.pt2"
-    try:
-        program = torch.export.load(str(path))
+
+def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha256: str,
+             seed: bytes | None = None) -> dict:
+    prepare = load_prepare()
+    tokens, token_bytes = read_data(data_dir, val_sha256, token_bytes_sha256)
+    try:  # whatever a malformed archive makes the checks or torch raise is the candidate's fault
+        members = check_archive(read_archive(export_dir / "model.pt2"))
+        program = load_program(members)
+        del members
+        check_program(program, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
         model = program.module()
-    except Exception as e:
-        raise Failure("candidate", f"cannot load the exported model {path}: {type(e).__name__}: {e}") from e
-    device = prepare._model_device(model)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise Failure("harness", "the model was exported on a GPU but the evaluator has none")
-    t0 = time.time()
-    try:
-        check_causal(program.module(), tokens, token_bytes, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
-        val_bpb = prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes)
     except Failure:
         raise
     except Exception as e:
-        raise Failure("candidate", f"running the exported model failed: {type(e).__name__}: {e}") from e
+        raise refuse(f"{type(e).__name__}: {e}") from e
+    device = prepare._model_device(model)
+    probe = CausalityProbe(model, tokens, CAUSALITY_TOLERANCE.get(device.type, CAUSALITY_TOLERANCE["cuda"]),
+                           seed or os.urandom(16))
+    before = snapshot(model)
+    t0 = time.time()
+    try:
+        val_bpb = prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes,
+                                       probe=probe)
+    except Failure:
+        raise
+    except Exception as e:
+        raise Failure("candidate", f"running the exported model failed: {type(e).__name__}: {e}",
+                      EVALUATION_FAILED) from e
+    check_unchanged(model, before)
+    if not math.isfinite(val_bpb):
+        raise Failure("candidate", f"val_bpb is {val_bpb} (not finite)", EVALUATION_FAILED)
     return {
         "ok": True,
         "val_bpb": val_bpb,
         "num_params": sum(p.numel() for p in model.parameters()),
         "eval_seconds": round(time.time() - t0, 2),
         "device": str(device),
+        "reason_code": SUCCEEDED,
+        "causality_max_nats": probe.max_moved,
     }
 
 
@@ -120,16 +659,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-sha256", required=True)
     parser.add_argument("--token-bytes-sha256", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=bytes.fromhex, default=None,
+                        help="hex seed of the causality check, to reproduce a report (default: os.urandom)")
     args = parser.parse_args(argv)
     try:
-        result = evaluate(args.export_dir, args.data_dir, args.val_sha256, args.token_bytes_sha256)
-        if not math.isfinite(result["val_bpb"]):
-            result = {"ok": False, "blame": "candidate", "reason": f"val_bpb is {result['val_bpb']} (not finite)"}
+        result = evaluate(args.export_dir, args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed)
     except Failure as e:
-        result = {"ok": False, "blame": e.blame, "reason": str(e)}
+        result = {"ok": False, "blame": e.blame, "reason": str(e), "reason_code": e.code}
     except Exception as e:  # a fault of the evaluator itself or of its environment
         traceback.print_exc()
-        result = {"ok": False, "blame": "harness", "reason": f"evaluator error: {type(e).__name__}: {e}"}
+        result = {"ok": False, "blame": "harness", "reason": f"evaluator error: {type(e).__name__}: {e}",
+                  "reason_code": HARNESS_ERROR}
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, args.out)

@@ -30,9 +30,20 @@ key away from it is the whole point:
    non-dumpable (`PR_SET_DUMPABLE` 0), so without CAP_SYS_PTRACE (not granted
    to containers by default) no other process can read its memory or its
    /proc files. It then calls the harness in-process
-   (`run.run_candidate`), which runs the candidate as a child in a fresh
-   directory; the result comes back as a Python object, never through a
-   file the candidate could overwrite, and is signed and printed here.
+   (`run.run_candidate`), which runs the candidate in its sandbox; the result
+   comes back as a Python object, never through a file the candidate could
+   overwrite, and is signed and printed here.
+
+The sandbox (`run.py --sandbox isolated`): bubblewrap where it can make its
+namespaces here (`sandbox.available()`); else, when the job runs as root
+(jobs usually do), the candidate runs as the dedicated uid
+`sandbox.SANDBOX_UID` with no capabilities and no-new-privs, in a scratch
+directory of its own, and every process of that uid is killed before the
+evaluation (run.py's uid mode). The bundle, the cache overlay and the result
+live in root-owned 0700 directories that uid cannot read, and uid mode checks
+that it cannot read the validation split either (a bucket mount readable by
+every user makes it refuse). Neither possible: no measurement, but a signed
+error result saying why.
 
 The prepared data comes from the lab's bucket, mounted read-only at
 `--data-mount`: a candidate cannot poison the cache the next runs measure
@@ -74,6 +85,7 @@ SIGNATURE_VERSION = "v1"
 SECRET_ENV = (KEY_ENV, "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AUTOLAB_BUNDLE")
 EXIT_HARNESS_ERROR = 4
 PR_SET_DUMPABLE = 4
+SANDBOX_REQUEST = "isolated"  # run.py: bubblewrap, else (as root) a uid of its own, else refuse
 
 
 # --- the signed result line (the controller verifies it: controller/backends/hf.py) ----------
@@ -220,7 +232,8 @@ def stage_two(args: argparse.Namespace) -> int:
     harness = _load_harness(args.profile)
     out = Path(tempfile.mkdtemp(prefix="autolab-result-"))
     result = harness.run_candidate(BENCH_DIR / "train.py", out / "result.json", source=args.source,
-                                   budget=args.budget, termination_log="")
+                                   budget=args.budget, termination_log="",
+                                   sandbox_request=SANDBOX_REQUEST, run=args.run)
     print(sign_result(key, args.run, harness.compact(result)), flush=True)
     return harness.EXIT_CODES.get(result.get("status"), EXIT_HARNESS_ERROR)
 

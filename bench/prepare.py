@@ -1064,15 +1064,22 @@ def _model_device(model: Any):
 
 def evaluate_bpb(model: Callable, batch_size: int = EVAL_BATCH_SIZE, *, tokens: np.ndarray | None = None,
                  token_bytes: np.ndarray | None = None, seq_len: int = MAX_SEQ_LEN,
-                 eval_tokens: int = EVAL_TOKENS, device: Any = None) -> float:
+                 eval_tokens: int = EVAL_TOKENS, device: Any = None,
+                 probe: Callable[[int, list[int], Any, Any], None] | None = None) -> float:
     """Validation bits per byte of `model` (idx (B, T) -> logits (B, T, V)).
 
-    The first eval_tokens tokens of the validation stream are cut into windows
-    of seq_len inputs (targets: the next token), batch_size windows per call;
-    a last partial batch is padded with repeated windows that are not scored.
+    The first eval_tokens tokens of the validation stream are cut into W
+    windows of seq_len inputs (targets: the next token), scored in
+    n = ceil(W / batch_size) calls in a strided order: call k holds windows
+    k, k+n, k+2n, ..., so no row of a batch is the continuation of another
+    (a model reading across rows finds no target there). Rows past W are
+    padded with a repeat of window k and not scored. Every window is scored
+    once, so the sum is the one a consecutive order gives.
     bpb = sum of cross-entropy (nats) over target tokens / (ln 2 * their bytes),
     where targets that are special tokens (0 bytes, e.g. BOS) are left out of
     both sums. Deterministic for the same weights on the same device.
+    probe(k, windows, x, logits), if given, sees every scored batch (the
+    evaluator's causality check runs there).
     """
     import torch
     import torch.nn.functional as F
@@ -1089,17 +1096,21 @@ def evaluate_bpb(model: Callable, batch_size: int = EVAL_BATCH_SIZE, *, tokens: 
     table = torch.from_numpy(np.asarray(token_bytes, dtype=np.int64)).to(device)
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.int64, device=device)
+    batches = -(-windows // batch_size)
     with torch.no_grad():
-        for first in range(0, windows, batch_size):
-            rows = [min(first + r, windows - 1) for r in range(batch_size)]  # pad by repeating the last
-            valid = torch.tensor([first + r < windows for r in range(batch_size)], device=device)
+        for k in range(batches):
+            rows = [k + j * batches for j in range(batch_size)]  # strided: no row continues another
+            valid = torch.tensor([w < windows for w in rows], device=device)
+            rows = [w if w < windows else k for w in rows]  # padding, not scored
             idx = torch.tensor(rows)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
             window = stream[idx].to(device)
-            x, y = window[:, :-1], window[:, 1:]
+            x, y = window[:, :-1].clone(), window[:, 1:]  # x owns its memory: writing to it cannot reach y
             logits = model(x)
             if tuple(logits.shape[:2]) != (batch_size, seq_len) or logits.dim() != 3:
                 raise ValueError(f"model returned logits of shape {tuple(logits.shape)}, "
                                  f"expected ({batch_size}, {seq_len}, vocab)")
+            if probe is not None:
+                probe(k, rows, x, logits)
             ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
             b = table[y]
             scored = (b > 0) & valid[:, None]
@@ -1170,6 +1181,7 @@ def export_model(model: Any, stats: dict[str, Any], export_dir: str | os.PathLik
     t0 = time.time()
     with torch.no_grad():
         program = torch.export.export(_export_wrapper(module, device.type), (example,), strict=False)
+    program.example_inputs = None  # saved, they would be a pickle; the evaluator refuses archives with one
     torch.export.save(program, str(out / "model.tmp.pt2"))
     os.replace(out / "model.tmp.pt2", out / "model.pt2")
     record = {**{k: v for k, v in stats.items()}, "export_device": str(device),

@@ -4,7 +4,9 @@
                            [--source SRC] [--budget SECONDS] [--startup-allowance SECONDS]
                            [--log PATH] [--termination-log PATH] [--curve PATH]
                            [--num-shards N] [--endpoint URL] [--keep-run-dir]
-                           [--sandbox auto|bwrap|none] [--key-fd FD] [--run NAME]
+                           [--sandbox auto|bwrap|uid|isolated|container|none]
+                           [--key-fd FD | --key-file PATH] [--run NAME]
+                           [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -29,20 +31,64 @@ is trusted, and so is everything it starts except the candidate. In order:
    evaluate.py`, this directory's own copy) that runs no candidate code and
    refuses archives that would. The metric comes only from there.
 5. Writes one result JSON, atomically, always: signed (HMAC-SHA256) when the
-   controller passed a key on --key-fd, and the same JSON, compact and at most
-   4 KiB, to the termination log (Kubernetes reads it from the Pod). The
-   informational figures are the harness's own (training_seconds,
-   total_seconds, total_tokens_M, num_params_M) or listed in
-   result["self_reported"] (the candidate's stats.json: peak_vram_mb,
-   mfu_percent, num_steps, depth).
+   controller passed a key on --key-fd (or --key-file), and the same JSON,
+   compact and at most 4 KiB (the reason is cut to fit before signing), to the
+   termination log (Kubernetes reads it from the Pod). The informational
+   figures are the harness's own (training_seconds, total_seconds,
+   total_tokens_M, num_params_M) or listed in result["self_reported"] (the
+   candidate's stats.json: peak_vram_mb, mfu_percent, num_steps, depth).
 
-`--sandbox none` runs the candidate as a plain child (the container is the
-boundary, or the user said --unsafe-no-sandbox); the result says so.
+Sandboxes (`--sandbox`):
+
+- `bwrap` (the default): bubblewrap as above; refuses to run without it.
+- `uid`: for a container where the harness is root but namespaces cannot be
+  made (a Hugging Face job). The candidate runs as the dedicated uid
+  `sandbox.SANDBOX_UID` through `setpriv` (no capabilities, no-new-privs,
+  no supplementary groups), in a scratch directory it owns under /tmp, with
+  the same resource limits and the same data stream. Before it starts, a probe
+  process running as that uid must fail to read the harness, the data cache
+  and the validation split (root-owned, 0700/0600) and must be able to write
+  its scratch directory; otherwise the run is refused (`SandboxUnavailable`).
+  It imports its own copy of prepare.py. When it exits, every process of that
+  uid is killed: kill(-1, SIGKILL) sent by a process running as that uid, then
+  a /proc scan (`ProcessesLeft` if any survives). No process of the uid may
+  exist before the run starts.
+- `isolated`: bwrap where it works, else uid mode when running as root, else
+  a refusal (an error result saying why). The Hugging Face entry point uses it.
+- `container`: the candidate runs as a plain child and the caller's container
+  is the boundary (the train container of a Kubernetes Pod).
+- `none`: a plain child, no boundary (`--unsafe-no-sandbox`); the result says so.
+- `auto`: bwrap where it works, else none.
+
+Phases (`--phase`), so that a Kubernetes Pod can train in one container and
+evaluate in another, with no candidate process surviving into evaluation:
+
+- `all` (the default): everything above, in this process.
+- `stage`: prepare the data (the cache must be writable) and copy only what
+  the train phase needs, train.bin and its record (data.json), into
+  `--train-data` (never val.bin).
+- `train`: run the candidate on the staged training data (streamed over the
+  socket, timed as above) with `--export-dir DIR/scratch` as its scratch
+  directory, judge what happened, and write the record `DIR/record.json`
+  (the outcome and the timing). No key, no result. Exits 0 once the record is
+  written, whatever the candidate did.
+- `evaluate`: read the record and the export from `--export-dir` (regular
+  files only), measure val_bpb with `python -I evaluate.py` on the prepared
+  data (which may be read-only), and write the signed result and the
+  termination message. The result carries `limits.train_phase_seconds`, the
+  longest the train phase may take (start-up allowance + budget + slack +
+  export allowance + TRAIN_PHASE_OVERHEAD), so that a controller that sees how
+  long the train container ran (its clock is not in the candidate's reach)
+  can hold it to the budget. When the train phase ran without a sandbox of
+  its own (`container`, `none`) its record is in the candidate's reach: its
+  failures are believed (they only hurt the candidate), its figures are
+  listed as self-reported.
 
 Exit codes: EXIT_SUCCEEDED (0); EXIT_CANDIDATE_FAILED (3: the candidate
 crashed, ran out of time, diverged, exported nothing or an unusable model;
 retrying will not help); EXIT_HARNESS_ERROR (4: data, cache, sandbox or
 machine problem; retryable). argparse usage errors exit 2 before anything runs.
+The stage phase exits 0 or 4, the train phase 0 once its record is written.
 
 No torch here: the harness process stays small and starts fast.
 """
@@ -95,11 +141,29 @@ LOG_LIMIT_BYTES = 16 * 2**20  # candidate output kept in the log; the rest is co
 CURVE_LIMIT_BYTES = 2**20  # the step curve read back from the scratch directory
 EXPORT_LIMIT_BYTES = 8 * 2**30  # model.pt2
 STATS_LIMIT_BYTES = 2**16  # stats.json
+RECORD_LIMIT_BYTES = 2**16  # the train phase's record, the staged data's record
+KEY_LIMIT_BYTES = 256
+
+PHASES = ("all", "stage", "train", "evaluate")
+SANDBOX_MODES = ("auto", "bwrap", "uid", "isolated", "container", "none")
+UNSANDBOXED = ("container", "none")  # the candidate runs as the harness's own user
+STAGED_RECORD = "data.json"  # in --train-data, next to train.bin
+TRAIN_RECORD = "record.json"  # in --export-dir, next to the candidate's scratch/
+# Seconds of a train phase beyond the candidate's allowances: the harness's own start and
+# finish, and the one-second resolution of the timestamps a Pod's status gives.
+TRAIN_PHASE_OVERHEAD = 30.0
+UID_ENV = "AUTOLAB_SANDBOX_UID"  # uid mode's uid, if not sandbox.SANDBOX_UID (tests pick their own)
+UID_SCRATCH_ROOT = "/tmp"  # uid mode's scratch directories: a place every uid can traverse
 
 
 def budget_slack(budget: float) -> float:
     """Training time past the budget that is still on time: the last step may overrun it."""
     return 1.0 + 0.01 * budget
+
+
+def train_phase_limit(budget: float, startup: float, export: float) -> float:
+    """The longest a train phase may run, start to end: what a Pod's status is held to."""
+    return startup + budget + budget_slack(budget) + export + TRAIN_PHASE_OVERHEAD
 
 
 class RunLog:
@@ -253,12 +317,18 @@ class Watch:
         self.started = self.ended = 0.0
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.namespace: str | None = None
+        self.left: list[int] = []  # its processes still alive after it ended (and after killing them)
 
 
 def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds: tuple[int, ...],
                    server: DataServer, budget: float, startup: float, export: float,
-                   log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None) -> Watch:
-    """Start argv, stream its output, enforce the deadlines; returns when it has exited."""
+                   log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
+                   reap: Any = None) -> Watch:
+    """Start argv, stream its output, enforce the deadlines; returns when it has exited.
+
+    reap(), if given, runs once the first process has exited and before the rest of its output
+    is awaited: a process it left may hold the output pipe open (uid mode kills them there).
+    """
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
     w.started = time.monotonic()
@@ -306,42 +376,78 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     proc.wait()
     w.ended = time.monotonic()
     w.rc = proc.returncode
+    if reap is not None:
+        reap()
     reader.join(timeout=5.0)
-    proc.stdout.close()
+    if not reader.is_alive():  # else a survivor holds the pipe; closing it would block on the reader
+        proc.stdout.close()
     return w
 
 
-def _regular_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of path if it is a regular file (no symlink) of at most limit bytes."""
+# --- files the candidate could have touched: regular files only, never through a link ---------
+
+
+def _open_regular(path: str | os.PathLike, limit: int, base: Path | None = None,
+                  follow: bool = False) -> int | None:
+    """A read-only fd of path if it is a regular file of at most limit bytes, else None.
+
+    With base, path is relative to it and no component may be a symbolic link (the candidate
+    may have replaced a directory of its scratch with one); without, the last component may
+    not be one unless `follow` (paths the controller gave: a Kubernetes ConfigMap or Secret
+    volume's files are links). FIFOs and devices are refused without blocking on them.
+    """
+    leaf_flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow and base is None else os.O_NOFOLLOW)
+    dir_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    dir_fd = None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        if base is None:
+            fd = os.open(path, leaf_flags)
+        else:
+            parts = Path(path).parts
+            if not parts or Path(path).is_absolute() or ".." in parts:
+                return None
+            dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            for part in parts[:-1]:
+                nxt = os.open(part, dir_flags, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = nxt
+            fd = os.open(parts[-1], leaf_flags, dir_fd=dir_fd)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(limit + 1)[:limit]
     finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
         os.close(fd)
+        return None
+    return fd
 
 
-def _copy_regular(src: Path, dst: Path, limit: int) -> bool:
+def _regular_file(path: str | os.PathLike, limit: int, base: Path | None = None,
+                  follow: bool = False) -> bytes | None:
+    """The bytes of path if it is a regular file (no symlink) of at most limit bytes."""
+    fd = _open_regular(path, limit, base, follow)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)[:limit]
+
+
+def _copy_regular(src: str | os.PathLike, dst: Path, limit: int, base: Path | None = None) -> bool:
     """Copy src (a regular file, not a link, at most limit bytes) to dst; False if it is not one."""
-    try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    fd = _open_regular(src, limit, base)
+    if fd is None:
         return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return False
-        with os.fdopen(fd, "rb", closefd=False) as f, open(dst, "wb") as out:
-            shutil.copyfileobj(f, out, 2**22)
-        return True
-    finally:
-        os.close(fd)
+    with os.fdopen(fd, "rb") as f, open(dst, "wb") as out:
+        copied = 0
+        while copied <= limit:
+            chunk = f.read(2**22)
+            if not chunk:
+                break
+            out.write(chunk)
+            copied += len(chunk)
+    return copied <= limit
 
 
 def _curve(raw: bytes | None) -> list[dict]:
@@ -356,6 +462,14 @@ def _curve(raw: bytes | None) -> list[dict]:
                                        and math.isfinite(d[k]) for k in ("step", "loss", "tokens_per_sec")):
             lines.append({k: d[k] for k in ("step", "loss", "tokens_per_sec", "time") if k in d})
     return lines
+
+
+def _json_object(raw: bytes | None) -> dict:
+    try:
+        obj = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _number(value: Any) -> float | None:
@@ -395,171 +509,398 @@ def _memory_limit() -> int:
     return int(max(4 * 2**30, 0.75 * total))
 
 
-def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
-             curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
-             mode: str, log: RunLog, result: dict[str, Any]) -> None:
-    code = _regular_file(candidate, 2**22)
+# --- uid mode: another uid, no namespaces ------------------------------------------------------
+
+
+def sandbox_uid() -> int:
+    """The uid (and gid) uid mode runs the candidate as."""
+    value = os.environ.get(UID_ENV)
+    uid = int(value) if value and value.isdigit() else sandbox.SANDBOX_UID
+    return uid if uid > 0 else sandbox.SANDBOX_UID
+
+
+def uid_mode_problem() -> str | None:
+    """None if uid mode can work here, else why not."""
+    if os.geteuid() != 0:
+        return "the harness does not run as root, so it cannot run the candidate under another uid"
+    if not (shutil.which("setpriv") or os.path.exists("/usr/bin/setpriv")):
+        return "setpriv (util-linux) is not installed"
+    return None
+
+
+def _as_uid(uid: int, argv: list[str]) -> list[str]:
+    """argv run as uid/gid `uid`: no supplementary groups, no capabilities, no-new-privs."""
+    setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", "--", *argv]
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Pids of the living processes (zombies aside) with uid among their real, effective, saved
+    or filesystem uids."""
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith(("Z", "X")):
+            continue
+        if str(uid) in fields.get("Uid", "").split():
+            found.append(int(entry))
+    return found
+
+
+_PROBE = """
+import json, os, sys
+hidden, scratch = json.loads(sys.argv[1]), sys.argv[2]
+out = {"readable": [], "scratch": False}
+for p in hidden:
+    try:
+        os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        out["readable"].append(p)
+    except OSError:
+        pass
+try:
+    t = os.path.join(scratch, ".autolab-probe")
+    os.close(os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(t)
+    out["scratch"] = True
+except OSError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def _uid_preflight(uid: int, scratch: Path, hidden: list[Path]) -> None:
+    """Refuse (SandboxUnavailable) unless uid can run Python, write its scratch directory and
+    read none of `hidden`; and unless no process of uid is alive already."""
+    already = uid_processes(uid)
+    if already:
+        raise Outcome("error", "SandboxUnavailable",
+                      f"{len(already)} process(es) of uid {uid} are running already (another run, or "
+                      "something left over); uid mode kills every process of its uid, so it will not start")
+    paths = []
+    for p in hidden:
+        for q in (str(p), os.path.realpath(p)):
+            if q not in paths and os.path.exists(q):
+                paths.append(q)
+    try:
+        done = subprocess.run(_as_uid(uid, [sys.executable, "-I", "-S", "-c", _PROBE, json.dumps(paths),
+                                            str(scratch)]),
+                              cwd=scratch, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise Outcome("error", "SandboxUnavailable", f"cannot start a process as uid {uid}: {e}") from e
+    try:
+        probe = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        raise Outcome("error", "SandboxUnavailable",
+                      f"uid {uid} cannot run the Python interpreter {sys.executable} "
+                      f"({why[-1] if why else f'exit code {done.returncode}'}); the Python installation "
+                      "must be readable by every user") from None
+    if probe.get("readable"):
+        raise Outcome("error", "SandboxUnavailable",
+                      f"uid {uid} could read {', '.join(probe['readable'])}: the harness, the data cache and the "
+                      "validation split must not be readable by the candidate (root-owned, mode 0700/0600)")
+    if not probe.get("scratch"):
+        raise Outcome("error", "SandboxUnavailable", f"uid {uid} cannot write its scratch directory {scratch}")
+
+
+def _uid_workspace(run_dir: Path, scratch: Path, uid: int) -> Path:
+    """Make run_dir traversable (not listable), scratch the uid's own; return the directory of
+    the candidate's own copy of prepare.py (the module train.py imports)."""
+    os.chmod(run_dir, 0o711)
+    lib = run_dir / "lib"
+    lib.mkdir(exist_ok=True)
+    shutil.copyfile(BENCH_DIR / "prepare.py", lib / "prepare.py")
+    os.chmod(lib / "prepare.py", 0o644)
+    os.chmod(lib, 0o755)
+    for sub in ("export", "tmp"):
+        (scratch / sub).mkdir(exist_ok=True)
+    for p in (scratch, scratch / "export", scratch / "tmp", *scratch.glob("*.py")):
+        os.chown(p, uid, uid)
+    os.chmod(scratch, 0o700)
+    return lib
+
+
+def sweep_uid(uid: int) -> tuple[int, list[int]]:
+    """Kill every process of uid: kill(-1, SIGKILL) from a process running as uid (the kernel
+    signals them all at once, forks included), then SIGKILL to whatever a /proc scan still
+    finds. Returns (how many there were, the pids still alive after all that)."""
+    before = uid_processes(uid)
+    pid = os.fork()
+    if pid == 0:  # as uid: kill(-1) reaches exactly the processes of this uid, not this one
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        except BaseException:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 2.0
+    left = uid_processes(uid)
+    while left and time.monotonic() < deadline:
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+        left = uid_processes(uid)
+    return len(before), left
+
+
+# --- the parts of a run --------------------------------------------------------------------------
+
+
+def _read_candidate(candidate: Path, result: dict[str, Any]) -> bytes:
+    code = _regular_file(candidate, 2**22, follow=True)
     if code is None:
         raise Outcome("error", "HarnessError", f"cannot read the candidate {candidate} (a regular file of at most 4 MiB)")
     result["candidate_sha1"] = hashlib.sha1(code).hexdigest()
-    harness_hashes = {name: _sha256(BENCH_DIR / name) for name in HARNESS_FILES}
+    return code
+
+
+def _allowances(budget: float | None, startup_allowance: float | None) -> tuple[float, float, float]:
+    """(budget, start-up allowance, export allowance) in seconds: the profile's unless given."""
     prof = prepare.PROFILES[prepare.PROFILE]
     budget = float(budget if budget is not None else prepare.TIME_BUDGET)
     startup = float(startup_allowance if startup_allowance is not None else prof.startup_allowance)
-    export = prof.export_allowance
     if not (budget > 0 and startup >= 0):
         raise Outcome("error", "HarnessError", f"budget must be > 0 and start-up allowance >= 0, not {budget} and {startup}")
+    return budget, startup, prof.export_allowance
 
+
+def _harness_hashes() -> dict[str, str]:
+    return {name: _sha256(BENCH_DIR / name) for name in HARNESS_FILES}
+
+
+def _prepared(source: str, num_shards: int | None, endpoint: str | None, log: RunLog):
     try:
-        data = prepare.prepare(source, num_shards=num_shards, endpoint=endpoint, verify="full",
+        return prepare.prepare(source, num_shards=num_shards, endpoint=endpoint, verify="full",
                                log=lambda m: log.harness(m))
     except prepare.PrepareError as e:
         raise Outcome("error", "DataUnavailable", f"preparing the data ({source}) failed: {e}") from e
+
+
+def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
+           startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path]) -> tuple[Watch, DataServer]:
+    """Run the candidate in `mode` with scratch as its directory; returns once no process of it
+    is left (Watch.left: those that could not be killed)."""
+    scratch.mkdir()
+    (scratch / "train.py").write_bytes(code)  # the bytes that were hashed are the bytes that run
+    pythonpath = str(BENCH_DIR)
+    uid = None
+    if mode == "uid":
+        uid = sandbox_uid()
+        pythonpath = str(_uid_workspace(run_dir, scratch, uid))
+        _uid_preflight(uid, scratch, [BENCH_DIR, *(BENCH_DIR / n for n in HARNESS_FILES), *hidden])
+    else:
+        sandbox.prepare_scratch(scratch)
+    sandboxed = mode == "bwrap"
+    where = Path(sandbox.SCRATCH) if sandboxed else scratch
+    gpu = sandbox.wants_gpu()
+    env = _harness_env()
+    env.update({
+        "HOME": str(where), "TMPDIR": str(where / "tmp"), "USER": "autolab", "LOGNAME": "autolab",
+        "PYTHONPATH": sandbox.HARNESS if sandboxed else pythonpath,
+        "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "AUTOLAB_BENCH_PROFILE": prepare.PROFILE, "AUTOLAB_SOURCE": source,
+        "AUTOLAB_EXPORT_DIR": str(where / "export"), "AUTOLAB_CURVE_PATH": str(where / "curve.jsonl"),
+        "AUTOLAB_TIME_BUDGET": repr(budget),
+    })
+    # The compile cache is the run's own: a shared one is a place to leave something for the next run.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(where / "compile")
+    env["TRITON_CACHE_DIR"] = str(where / "triton")
+    if prepare.PROFILE == "tiny":
+        # Toy tensors gain nothing from threads, and spinning OpenMP threads on a busy CPU
+        # make each step tens of times slower: one thread keeps tiny runs steady.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env[prepare.DATA_FD_ENV] = str(theirs.fileno())
+    seed = 0  # every candidate sees the same stream: differences are the program's, not the data order's
+    server = DataServer(tokens, ours, seed).start()
+    limits = sandbox.Limits(address_space=None if gpu else _memory_limit())
+    python = [sys.executable, "-s", "-P", "train.py"]
+    info_r = info_w = None
+    if sandboxed:
+        info_r, info_w = os.pipe()
+        argv = sandbox.command(python, scratch=scratch, harness=BENCH_DIR, gpu=gpu)
+        argv[1:1] = ["--info-fd", str(info_w)]
+    elif mode == "uid":
+        argv = _as_uid(uid, python)
+    else:
+        argv = python
+    how = {"bwrap": "sandboxed", "uid": f"as uid {uid}", "container": "in its container"}.get(mode, "NOT sandboxed")
+    log.harness(f"running candidate {result['candidate_sha1'][:12]} ({prepare.PROFILE} profile, budget "
+                f"{budget:g}s, {how})")
+    swept: list[tuple[int, list[int]]] = []
+    try:
+        w = _run_sandboxed(argv, cwd=scratch, env=env, pass_fds=(theirs.fileno(),), server=server,
+                           budget=budget, startup=startup, export=export, log=log, limits=limits,
+                           info_fd=info_w, info_r=info_r,
+                           reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None)
+    finally:
+        theirs.close()
+    if info_r is not None:
+        os.close(info_r)
+    ours.close()
+    server.thread.join(timeout=5.0)
+    result["exit_code"] = w.rc
+    if log.dropped:
+        log.harness(f"{log.dropped} more lines of output were not kept (log limit {LOG_LIMIT_BYTES} bytes)")
+    if mode == "uid":
+        outlived, w.left = swept[0] if swept else sweep_uid(uid)
+        if outlived:
+            log.harness(f"{outlived} process(es) of uid {uid} outlived the candidate and were killed")
+    else:
+        w.left = _survivors(w.namespace)
+    return w, server
+
+
+def _judge(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str, str], budget: float,
+           result: dict[str, Any]) -> float:
+    """The training seconds of a run that went by the rules; raises Outcome for one that did not."""
+    if mode == "bwrap" and not w.namespace:
+        raise Outcome("error", "SandboxUnavailable", "the sandbox did not report its PID namespace; "
+                                                     "cannot check that no candidate process is left", w.rc)
+    if w.left:
+        raise Outcome("failed", "ProcessesLeft", f"{len(w.left)} process(es) of the candidate outlived it and "
+                                                 "could not be killed; the run is void", w.rc)
+    changed = [n for n, h in harness_hashes.items() if _sha256(BENCH_DIR / n) != h]
+    if changed:
+        raise Outcome("error", "HarnessTampered", f"the harness file(s) {', '.join(changed)} in {BENCH_DIR} "
+                                                  "changed while the candidate ran; the run is void", w.rc)
+    first, done = server.first, min(server.done or w.ended, w.ended)
+    training = (done - first) if first is not None else 0.0
+    result["timing"] = {"startup_seconds": round((first or w.ended) - w.started, 2),
+                        "training_seconds": round(training, 2),
+                        "export_seconds": round(w.ended - done, 2) if first is not None else None,
+                        "tokens_served": server.served}
+    if w.killed:
+        raise Outcome("failed", "BudgetExceeded", f"the candidate was killed: {w.killed}")
+    if first is not None and training > budget + budget_slack(budget):
+        raise Outcome("failed", "BudgetExceeded",
+                      f"the candidate trained for {training:.1f}s, measured by the harness from its first "
+                      f"batch, past its budget of {budget:g}s (+{budget_slack(budget):.1f}s slack)", w.rc)
+    if w.rc != 0:
+        raise Outcome("failed", "CandidateCrashed",
+                      f"the candidate exited with code {w.rc}: {_last_words(list(w.tail))}", w.rc)
+    if first is None:
+        raise Outcome("failed", "NoTraining", "the candidate never asked for training data "
+                                              "(train.py must train on prepare.make_loader batches)", w.rc)
+    return training
+
+
+def _keep_curve(raw: bytes | None, curve_path: Path, result: dict[str, Any]) -> None:
+    curve = _curve(raw)
+    if curve:
+        curve_path.parent.mkdir(parents=True, exist_ok=True)
+        curve_path.write_text("".join(json.dumps(c) + "\n" for c in curve))
+        result["curve"] = str(curve_path)
+
+
+def _take_export(base: Path, scratch_rel: str, eval_dir: Path, exit_code: int | None) -> tuple[Path, dict]:
+    """The exported model, copied out of the candidate's directory into eval_dir/export, and its
+    stats; NoExport if there is no regular model.pt2 to copy."""
+    export_dir = eval_dir / "export"
+    export_dir.mkdir()
+    if not _copy_regular(f"{scratch_rel}export/model.pt2", export_dir / "model.pt2", EXPORT_LIMIT_BYTES, base):
+        raise Outcome("failed", "NoExport", "the candidate finished without exporting its model "
+                                            "(train.py must call prepare.export_model(model, stats) at the end)",
+                      exit_code)
+    stats = _json_object(_regular_file(f"{scratch_rel}export/stats.json", STATS_LIMIT_BYTES, base))
+    return export_dir, stats
+
+
+def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None) -> dict:
+    """val_bpb of the export, from a separate `python -I evaluate.py`; Outcome if there is none."""
+    prof = prepare.PROFILES[prepare.PROFILE]
+    eval_env = _harness_env()
+    if prepare.PROFILE == "tiny":
+        eval_env.setdefault("OMP_NUM_THREADS", "1")
+    (eval_dir / "tmp").mkdir(exist_ok=True)
+    eval_env.update({"PYTHONUNBUFFERED": "1", "AUTOLAB_BENCH_PROFILE": prepare.PROFILE,
+                     "AUTOLAB_CACHE": str(prepare.cache_root()), "HOME": str(eval_dir),
+                     "TMPDIR": str(eval_dir / "tmp")})
+    out = eval_dir / "evaluation.json"
+    log.harness("measuring val_bpb of the exported model in a separate evaluator process")
+    eval_rc, eval_timed_out, eval_tail = _child(
+        [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", str(export_dir),
+         "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
+         "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(out)],
+        cwd=eval_dir, env=eval_env, timeout=prof.eval_timeout, log=log, prefix="[evaluate] ",
+    )
+    if eval_timed_out:
+        raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
+                                                    f"{prof.eval_timeout:g}s", exit_code)
+    try:
+        evaluation = json.loads(out.read_text())
+    except (OSError, ValueError):
+        raise Outcome("failed", "EvaluationFailed", f"the evaluator could not run the exported model (exit "
+                                                    f"code {eval_rc}): {_last_words(eval_tail)}", exit_code) from None
+    if not evaluation.get("ok"):
+        status = "error" if evaluation.get("blame") == "harness" else "failed"
+        raise Outcome(status, evaluation.get("reason_code") or "EvaluationFailed",
+                      f"evaluation failed: {evaluation.get('reason')}", exit_code)
+    return evaluation
+
+
+def _succeeded(result: dict[str, Any], stats: dict, evaluation: dict, *, training: float, total: float,
+               tokens: int, untrusted_timing: bool = False) -> None:
+    result["metrics"] = _metrics(stats, evaluation, training=training, total=total, tokens=tokens)
+    reported = [k for k in SELF_REPORTED if result["metrics"].get(k) is not None]
+    if untrusted_timing:  # timed in the candidate's own container: informational only
+        reported += ["training_seconds", "total_tokens_M"]
+    result["self_reported"] = reported
+    result.update(status="succeeded", reason_code="Succeeded",
+                  reason=f"val_bpb {evaluation['val_bpb']:.6f}, measured by the harness on the exported "
+                         f"model ({evaluation['device']})")
+
+
+def _run_dir(mode: str) -> Path:
+    # uid mode: the candidate must traverse to its scratch directory, so not under a private $TMPDIR.
+    return Path(tempfile.mkdtemp(prefix="autolab-run-", dir=UID_SCRATCH_ROOT if mode == "uid" else None))
+
+
+def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
+             curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
+             mode: str, log: RunLog, result: dict[str, Any]) -> None:
+    """--phase all: prepare, train, evaluate, in this process."""
+    code = _read_candidate(candidate, result)
+    harness_hashes = _harness_hashes()
+    budget, startup, export = _allowances(budget, startup_allowance)
+    data = _prepared(source, num_shards, endpoint, log)
     result["source"] = data.source
 
-    run_dir = Path(tempfile.mkdtemp(prefix="autolab-run-"))
+    run_dir = _run_dir(mode)
     cleanup = [run_dir]
     try:
         scratch = run_dir / "scratch"
-        scratch.mkdir()
-        (scratch / "train.py").write_bytes(code)  # the bytes that were hashed are the bytes that run
-        sandbox.prepare_scratch(scratch)
-        sandboxed = mode == "bwrap"
-        where = Path(sandbox.SCRATCH) if sandboxed else scratch
-        gpu = bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        env = _harness_env()
-        env.update({
-            "HOME": str(where), "TMPDIR": str(where / "tmp"), "USER": "autolab", "LOGNAME": "autolab",
-            "PYTHONPATH": sandbox.HARNESS if sandboxed else str(BENCH_DIR),
-            "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
-            "AUTOLAB_BENCH_PROFILE": prepare.PROFILE, "AUTOLAB_SOURCE": data.source,
-            "AUTOLAB_EXPORT_DIR": str(where / "export"), "AUTOLAB_CURVE_PATH": str(where / "curve.jsonl"),
-            "AUTOLAB_TIME_BUDGET": repr(budget),
-        })
-        # The compile cache is the run's own: a shared one is a place to leave something for the next run.
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(where / "compile")
-        env["TRITON_CACHE_DIR"] = str(where / "triton")
-        if prepare.PROFILE == "tiny":
-            # Toy tensors gain nothing from threads, and spinning OpenMP threads on a busy CPU
-            # make each step tens of times slower: one thread keeps tiny runs steady.
-            env.setdefault("OMP_NUM_THREADS", "1")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env[prepare.DATA_FD_ENV] = str(theirs.fileno())
-        seed = int.from_bytes(os.urandom(4), "little")
-        server = DataServer(data.tokens("train"), ours, seed).start()
-        limits = sandbox.Limits(address_space=None if gpu else _memory_limit())
-        python = [sys.executable, "-s", "-P", "train.py"]
-        info_r = info_w = None
-        if sandboxed:
-            info_r, info_w = os.pipe()
-            argv = sandbox.command(python, scratch=scratch, harness=BENCH_DIR, gpu=gpu)
-            argv[1:1] = ["--info-fd", str(info_w)]
-        else:
-            argv = python
-        log.harness(f"running candidate {result['candidate_sha1'][:12]} ({prepare.PROFILE} profile, budget "
-                    f"{budget:g}s, {'sandboxed' if sandboxed else 'NOT sandboxed'})")
-        try:
-            w = _run_sandboxed(argv, cwd=scratch, env=env, pass_fds=(theirs.fileno(),), server=server,
-                               budget=budget, startup=startup, export=export, log=log, limits=limits,
-                               info_fd=info_w, info_r=info_r)
-        finally:
-            theirs.close()
-        if info_r is not None:
-            os.close(info_r)
-        ours.close()
-        server.thread.join(timeout=5.0)
-        result["exit_code"] = w.rc
-        if log.dropped:
-            log.harness(f"{log.dropped} more lines of output were not kept (log limit {LOG_LIMIT_BYTES} bytes)")
-
-        left = _survivors(w.namespace)
-        if sandboxed and not w.namespace:
-            raise Outcome("error", "SandboxUnavailable", "the sandbox did not report its PID namespace; "
-                                                         "cannot check that no candidate process is left", w.rc)
-        if left:
-            raise Outcome("failed", "ProcessesLeft", f"{len(left)} process(es) of the candidate outlived it and "
-                                                     "were killed; the run is void", w.rc)
-        changed = [n for n, h in harness_hashes.items() if _sha256(BENCH_DIR / n) != h]
-        if changed:
-            raise Outcome("error", "HarnessTampered", f"the harness file(s) {', '.join(changed)} in {BENCH_DIR} "
-                                                      "changed while the candidate ran; the run is void", w.rc)
-        first, done = server.first, server.done or w.ended
-        training = (done - first) if first is not None else 0.0
-        result["timing"] = {"startup_seconds": round((first or w.ended) - w.started, 2),
-                            "training_seconds": round(training, 2),
-                            "export_seconds": round(w.ended - done, 2) if first is not None else None,
-                            "tokens_served": server.served}
-        if w.killed:
-            code_ = "BudgetExceeded"
-            raise Outcome("failed", code_, f"the candidate was killed: {w.killed}")
-        if first is not None and training > budget + budget_slack(budget):
-            raise Outcome("failed", "BudgetExceeded",
-                          f"the candidate trained for {training:.1f}s, measured by the harness from its first "
-                          f"batch, past its budget of {budget:g}s (+{budget_slack(budget):.1f}s slack)", w.rc)
-        if w.rc != 0:
-            raise Outcome("failed", "CandidateCrashed",
-                          f"the candidate exited with code {w.rc}: {_last_words(list(w.tail))}", w.rc)
-        if first is None:
-            raise Outcome("failed", "NoTraining", "the candidate never asked for training data "
-                                                  "(train.py must train on prepare.make_loader batches)", w.rc)
-
-        curve = _curve(_regular_file(scratch / "curve.jsonl", CURVE_LIMIT_BYTES))
-        if curve:
-            curve_path.parent.mkdir(parents=True, exist_ok=True)
-            curve_path.write_text("".join(json.dumps(c) + "\n" for c in curve))
-            result["curve"] = str(curve_path)
+        hidden = [prepare.cache_root(), data.path, data.file("val.bin")]
+        w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),
+                           source=data.source, mode=mode, budget=budget, startup=startup, export=export,
+                           log=log, result=result, hidden=hidden)
+        training = _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget, result=result)
+        _keep_curve(_regular_file("curve.jsonl", CURVE_LIMIT_BYTES, scratch), curve_path, result)
 
         # Out of the scratch directory into one the candidate never saw; nothing of it runs now.
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
-        export_dir = eval_dir / "export"
-        export_dir.mkdir()
-        if not _copy_regular(scratch / "export" / "model.pt2", export_dir / "model.pt2", EXPORT_LIMIT_BYTES):
-            raise Outcome("failed", "NoExport", "the candidate finished without exporting its model "
-                                                "(train.py must call prepare.export_model(model, stats) at the end)",
-                          w.rc)
-        raw_stats = _regular_file(scratch / "export" / "stats.json", STATS_LIMIT_BYTES)
-        try:
-            stats = json.loads(raw_stats) if raw_stats else {}
-        except ValueError:
-            stats = {}
-        if not isinstance(stats, dict):
-            stats = {}
+        export_dir, stats = _take_export(scratch, "", eval_dir, w.rc)
         if not keep_run_dir:
             shutil.rmtree(scratch, ignore_errors=True)
-
-        eval_env = _harness_env()
-        if prepare.PROFILE == "tiny":
-            eval_env.setdefault("OMP_NUM_THREADS", "1")
-        eval_env.update({"PYTHONUNBUFFERED": "1", "AUTOLAB_BENCH_PROFILE": prepare.PROFILE,
-                         "AUTOLAB_CACHE": str(prepare.cache_root()), "HOME": str(eval_dir)})
-        out = eval_dir / "evaluation.json"
-        log.harness("measuring val_bpb of the exported model in a separate evaluator process")
-        eval_rc, eval_timed_out, eval_tail = _child(
-            [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", str(export_dir),
-             "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
-             "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(out)],
-            cwd=eval_dir, env=eval_env, timeout=prof.eval_timeout, log=log, prefix="[evaluate] ",
-        )
-        total_seconds = time.monotonic() - w.started
-        if eval_timed_out:
-            raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
-                                                        f"{prof.eval_timeout:g}s", w.rc)
-        try:
-            evaluation = json.loads(out.read_text())
-        except (OSError, ValueError):
-            raise Outcome("failed", "EvaluationFailed", f"the evaluator could not run the exported model (exit "
-                                                        f"code {eval_rc}): {_last_words(eval_tail)}", w.rc) from None
-        if not evaluation.get("ok"):
-            status = "error" if evaluation.get("blame") == "harness" else "failed"
-            raise Outcome(status, evaluation.get("reason_code") or "EvaluationFailed",
-                          f"evaluation failed: {evaluation.get('reason')}", w.rc)
-        result["metrics"] = _metrics(stats, evaluation, training=training, total=total_seconds,
-                                     tokens=server.served)
-        result["self_reported"] = [k for k in SELF_REPORTED if result["metrics"].get(k) is not None]
-        result.update(status="succeeded", reason_code="Succeeded",
-                      reason=f"val_bpb {evaluation['val_bpb']:.6f}, measured by the harness on the exported "
-                             f"model ({evaluation['device']})")
+        evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc)
+        _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - w.started,
+                   tokens=server.served)
     finally:
         if keep_run_dir:
             log.harness(f"run directory kept: {run_dir}")
@@ -650,55 +991,61 @@ def default_termination_log() -> str | None:
 
 
 def sandbox_mode(requested: str) -> str:
-    """"bwrap" or "none"; "auto" picks bwrap where it works. Raises Outcome if bwrap was asked for
-    and cannot run here."""
-    if requested == "none":
-        return "none"
+    """The sandbox a candidate runs in: "bwrap", "uid", "container" or "none" (see the module
+    docstring for what each request picks). Raises Outcome (SandboxUnavailable) for a request
+    this machine cannot honour."""
+    if requested in ("none", "container"):
+        return requested
+    if requested == "uid":
+        why = uid_mode_problem()
+        if why:
+            raise Outcome("error", "SandboxUnavailable", f"cannot run the candidate under its own uid: {why}")
+        return "uid"
     why = sandbox.available()
     if why is None:
         return "bwrap"
     if requested == "auto":
         return "none"
+    if requested == "isolated":
+        uid_why = uid_mode_problem()
+        if uid_why is None:
+            return "uid"
+        raise Outcome("error", "SandboxUnavailable",
+                      f"refusing to measure: the candidate cannot be isolated here. Bubblewrap: {why}. "
+                      f"A uid of its own: {uid_why}")
     raise Outcome("error", "SandboxUnavailable", f"cannot sandbox the candidate: {why}")
 
 
-def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, *, source: str | None = None,
-                  budget: float | None = None, startup_allowance: float | None = None,
-                  log_path: str | os.PathLike | None = None, termination_log: str | os.PathLike | None = None,
-                  curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
-                  endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
-                  sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None) -> dict[str, Any]:
-    """Run one candidate end to end and return the result (also written to result_path).
-
-    source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
-    the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
-    to the result. Never raises for a failed candidate: see result["status"].
-    """
-    result_path = Path(result_path)
-    source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
-    curve = Path(curve_path) if curve_path else result_path.with_name(result_path.stem + ".curve.jsonl")
-    log = RunLog(log_path, echo)
-    result: dict[str, Any] = {
+def _new_result(run: str | None, source: str) -> dict[str, Any]:
+    return {
         "version": RESULT_VERSION, "run": run, "status": "error", "reason_code": "HarnessError", "reason": "",
         "exit_code": None, "candidate_sha1": None, "profile": prepare.PROFILE, "source": source,
         "sandbox": None, "metrics": None, "curve": None,
     }
+
+
+def _settle(result: dict[str, Any], run: Any) -> None:
+    """Run `run()`, turning what it raises into the result's status."""
     try:
-        mode = sandbox_mode(sandbox_request)
-        result["sandbox"] = mode
-        _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
-                 curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
-                 mode=mode, log=log, result=result)
+        run()
     except Outcome as o:
         result.update(status=o.status, reason_code=o.code, reason=o.reason)
         if o.exit_code is not None:
             result["exit_code"] = o.exit_code
     except Exception as e:  # a harness bug or a machine problem: retryable
         result.update(status="error", reason_code="HarnessError", reason=f"harness error: {type(e).__name__}: {e}")
+
+
+def _finish(result: dict[str, Any], result_path: Path, *, log: RunLog, key: bytes | None,
+            termination_log: str | os.PathLike | None) -> dict[str, Any]:
+    """Sign, write the result and the termination message, print the marker line."""
     if result["status"] != "succeeded":
         result.pop("metrics", None)
     if result.get("sandbox") == "none":
         result["reason"] += " (the candidate ran WITHOUT a sandbox)"
+    # Cut the reason so that the signed result fits the termination message whole: the
+    # signature must cover exactly what a controller reads back.
+    result["reason"] = json.loads(compact({**result, "signature": "0" * 64}))["reason"]
     if key:
         result["signature"] = signature(key, result)
     try:
@@ -717,10 +1064,255 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     return result
 
 
+def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, *, source: str | None = None,
+                  budget: float | None = None, startup_allowance: float | None = None,
+                  log_path: str | os.PathLike | None = None, termination_log: str | os.PathLike | None = None,
+                  curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
+                  endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
+                  sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None) -> dict[str, Any]:
+    """Run one candidate end to end and return the result (also written to result_path).
+
+    source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
+    the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
+    to the result. Never raises for a failed candidate: see result["status"].
+    """
+    result_path = Path(result_path)
+    source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
+    curve = Path(curve_path) if curve_path else result_path.with_name(result_path.stem + ".curve.jsonl")
+    log = RunLog(log_path, echo)
+    result = _new_result(run, source)
+
+    def execute() -> None:
+        mode = sandbox_mode(sandbox_request)
+        result["sandbox"] = mode
+        _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
+                 curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
+                 mode=mode, log=log, result=result)
+
+    _settle(result, execute)
+    return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
+
+
+# --- phases: one container stages the data, one trains, one evaluates ----------------------------
+
+
+def stage_data(train_data: str | os.PathLike, *, source: str | None = None, num_shards: int | None = None,
+               endpoint: str | None = None, log_path: str | os.PathLike | None = None, echo: bool = True,
+               termination_log: str | os.PathLike | None = None) -> dict[str, Any]:
+    """--phase stage: prepare the data, copy train.bin (checked) and its record into train_data.
+    Returns {"ok": bool, "reason": ...}."""
+    log = RunLog(log_path, echo)
+    source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
+    out = Path(train_data)
+    try:
+        data = _prepared(source, num_shards, endpoint, log)
+        out.mkdir(parents=True, exist_ok=True)
+        want = data.sha256("train.bin")
+        digest = hashlib.sha256()
+        size = 0
+        fd = _open_regular(data.file("train.bin"), 2**40)
+        if fd is None:
+            raise Outcome("error", "DataUnavailable", f"{data.file('train.bin')} is not a regular file")
+        with os.fdopen(fd, "rb") as f, open(out / "train.bin", "wb") as dst:
+            while chunk := f.read(2**22):
+                digest.update(chunk)
+                dst.write(chunk)
+                size += len(chunk)
+        if digest.hexdigest() != want:
+            raise Outcome("error", "DataTampered", f"{data.file('train.bin')} does not match its manifest's sha256")
+        _write_atomic(out / STAGED_RECORD, json.dumps({
+            "version": 1, "source": data.source, "profile": prepare.PROFILE, "sha256": want,
+            "bytes": size, "tokens": size // 2}) + "\n")
+        status = {"ok": True, "reason": f"staged {size // 2:,} training tokens of {data.source} in {out}"}
+    except Outcome as o:
+        status = {"ok": False, "reason_code": o.code, "reason": o.reason}
+    except Exception as e:
+        status = {"ok": False, "reason_code": "HarnessError", "reason": f"harness error: {type(e).__name__}: {e}"}
+    termination_log = termination_log if termination_log is not None else default_termination_log()
+    if termination_log:
+        try:
+            Path(termination_log).write_text(json.dumps(status)[:TERMINATION_LOG_LIMIT])
+        except OSError:
+            pass
+    log.harness(("staged: " if status["ok"] else "staging failed: ") + status["reason"])
+    log.close()
+    return status
+
+
+def _staged_tokens(train_data: Path):
+    """The training tokens the stage phase left in train_data, and its record."""
+    import numpy as np
+
+    record = _json_object(_regular_file(train_data / STAGED_RECORD, RECORD_LIMIT_BYTES))
+    if record.get("profile") != prepare.PROFILE or not isinstance(record.get("bytes"), int):
+        raise Outcome("error", "DataUnavailable", f"{train_data} holds no training data staged for the "
+                                                  f"{prepare.PROFILE} profile (run --phase stage first)")
+    path = train_data / "train.bin"
+    fd = _open_regular(path, 2**40)
+    if fd is None or os.fstat(fd).st_size != record["bytes"]:
+        if fd is not None:
+            os.close(fd)
+        raise Outcome("error", "DataUnavailable", f"{path} is missing or not the size its record says")
+    os.close(fd)
+    return np.memmap(path, dtype=np.uint16, mode="r"), record
+
+
+def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, train_data: str | os.PathLike, *,
+                budget: float | None = None, startup_allowance: float | None = None,
+                sandbox_request: str = "bwrap", log_path: str | os.PathLike | None = None,
+                echo: bool = True) -> dict[str, Any]:
+    """--phase train: run the candidate with export_dir/scratch as its directory and write the
+    record export_dir/record.json (returned). Never raises."""
+    log = RunLog(log_path, echo)
+    export_dir = Path(export_dir)
+    started = time.monotonic()
+    record: dict[str, Any] = {"version": 1, "phase": "train", "candidate_sha1": None, "sandbox": None,
+                              "source": None, "budget": None, "outcome": None, "exit_code": None,
+                              "timing": None}
+
+    def execute() -> None:
+        mode = sandbox_mode(sandbox_request)
+        record["sandbox"] = mode
+        code = _read_candidate(Path(candidate), record)
+        harness_hashes = _harness_hashes()
+        budget_, startup, export = _allowances(budget, startup_allowance)
+        record["budget"] = budget_
+        tokens, staged = _staged_tokens(Path(train_data))
+        record["source"] = staged.get("source")
+        export_dir.mkdir(parents=True, exist_ok=True)
+        scratch = export_dir / "scratch"
+        if scratch.exists():
+            raise Outcome("error", "HarnessError", f"{scratch} exists already: the export directory of a "
+                                                   "train phase must start empty")
+        hidden = [prepare.cache_root()] if os.path.exists(prepare.cache_root()) else []
+        w, server = _train(code, run_dir=export_dir, scratch=scratch, tokens=tokens,
+                           source=str(staged.get("source")), mode=mode, budget=budget_, startup=startup,
+                           export=export, log=log, result=record, hidden=hidden)
+        try:
+            _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget_, result=record)
+        finally:
+            record["exit_code"] = w.rc
+
+    outcome: dict[str, Any] = {"status": "succeeded"}
+    _settle(outcome, execute)
+    if outcome["status"] != "succeeded":
+        record["outcome"] = {k: outcome.get(k) for k in ("status", "reason_code", "reason", "exit_code")}
+    record["elapsed_seconds"] = round(time.monotonic() - started, 2)
+    try:
+        _write_atomic(export_dir / TRAIN_RECORD, json.dumps(record, indent=1) + "\n")
+        record["written"] = True
+    except OSError as e:
+        log.harness(f"cannot write the train record {export_dir / TRAIN_RECORD}: {e}")
+        record["written"] = False
+    log.harness("train phase: " + (record["outcome"]["reason"] if record["outcome"]
+                                   else "the candidate trained and exported; evaluate next"))
+    log.close()
+    return record
+
+
+def _train_record(export_dir: Path, mode: str) -> dict[str, Any]:
+    """The train phase's record, checked for shape; Outcome if there is none."""
+    blame = "failed" if mode in UNSANDBOXED else "error"  # there, the candidate could have removed it
+    record = _json_object(_regular_file(export_dir / TRAIN_RECORD, RECORD_LIMIT_BYTES))
+    if record.get("phase") != "train":
+        raise Outcome(blame, "HarnessError", f"the train phase left no record in {export_dir / TRAIN_RECORD}")
+    timing = record.get("timing") if isinstance(record.get("timing"), dict) else {}
+    record["timing"] = {k: _number(timing.get(k)) for k in
+                        ("startup_seconds", "training_seconds", "export_seconds", "tokens_served")}
+    if not isinstance(record.get("outcome"), dict):
+        record["outcome"] = None
+    return record
+
+
+def evaluate_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, result_path: str | os.PathLike, *,
+                   source: str | None = None, budget: float | None = None,
+                   startup_allowance: float | None = None, log_path: str | os.PathLike | None = None,
+                   termination_log: str | os.PathLike | None = None, curve_path: str | os.PathLike | None = None,
+                   num_shards: int | None = None, endpoint: str | None = None, echo: bool = True,
+                   sandbox_request: str = "bwrap", key: bytes | None = None, run: str | None = None) -> dict[str, Any]:
+    """--phase evaluate: the signed result of what a train phase left in export_dir."""
+    result_path = Path(result_path)
+    export_dir = Path(export_dir)
+    source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
+    curve = Path(curve_path) if curve_path else result_path.with_name(result_path.stem + ".curve.jsonl")
+    log = RunLog(log_path, echo)
+    result = _new_result(run, source)
+    started = time.monotonic()
+    # What the train phase was asked to run in (this phase runs no candidate; the record is not asked).
+    mode = sandbox_request if sandbox_request in ("bwrap", "uid", "container", "none") else None
+
+    def execute() -> None:
+        _read_candidate(Path(candidate), result)
+        budget_, startup, export = _allowances(budget, startup_allowance)
+        result["limits"] = {"budget_seconds": budget_, "startup_allowance_seconds": startup,
+                            "export_allowance_seconds": export,
+                            "train_phase_seconds": round(train_phase_limit(budget_, startup, export), 1)}
+        record = _train_record(export_dir, mode or "container")
+        claimed = record.get("sandbox") if record.get("sandbox") in ("bwrap", "uid", "container", "none") else None
+        result["sandbox"] = mode or claimed or "container"
+        untrusted = result["sandbox"] not in ("bwrap", "uid")
+        result["timing"] = record["timing"]
+        if record.get("candidate_sha1") != result["candidate_sha1"]:
+            raise Outcome("failed" if untrusted else "error", "HarnessError",
+                          "the train phase ran another candidate than the one to evaluate")
+        out = record["outcome"]
+        if out:
+            status = out.get("status") if out.get("status") in ("failed", "error") else "error"
+            code = out.get("reason_code") if isinstance(out.get("reason_code"), str) else "HarnessError"
+            exit_code = out.get("exit_code") if isinstance(out.get("exit_code"), int) else None
+            raise Outcome(status, code[:64], str(out.get("reason"))[:2000], exit_code)
+        result["exit_code"] = record.get("exit_code") if isinstance(record.get("exit_code"), int) else None
+        training = record["timing"]["training_seconds"]
+        if training is None:
+            raise Outcome("failed" if untrusted else "error", "HarnessError",
+                          "the train phase's record does not say how long the candidate trained")
+        if training > budget_ + budget_slack(budget_):
+            raise Outcome("failed", "BudgetExceeded",
+                          f"the candidate trained for {training:.1f}s, measured by the harness of the train "
+                          f"phase from its first batch, past its budget of {budget_:g}s "
+                          f"(+{budget_slack(budget_):.1f}s slack)", result["exit_code"])
+        try:  # the prepared data, read only (a Kubernetes evaluator mounts the cache read-only)
+            src = prepare.make_source(source, num_shards=num_shards, endpoint=endpoint)
+            data = prepare.load_prepared(prepare._data_dir(src, prepare.PROFILES[prepare.PROFILE]))
+        except prepare.PrepareError as e:
+            raise Outcome("error", "DataUnavailable", f"the prepared data ({source}) is not there: {e}") from e
+        result["source"] = data.source
+        _keep_curve(_regular_file("scratch/curve.jsonl", CURVE_LIMIT_BYTES, export_dir), curve, result)
+        eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
+        try:
+            model_dir, stats = _take_export(export_dir, "scratch/", eval_dir, result["exit_code"])
+            evaluation = _measure(eval_dir, model_dir, data, log=log, exit_code=result["exit_code"])
+        finally:
+            shutil.rmtree(eval_dir, ignore_errors=True)
+        elapsed = _number(record.get("elapsed_seconds")) or 0.0
+        _succeeded(result, stats, evaluation, training=training, total=elapsed + time.monotonic() - started,
+                   tokens=int(record["timing"]["tokens_served"] or 0), untrusted_timing=untrusted)
+
+    _settle(result, execute)
+    return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
+
+
+def _read_key(key_fd: int | None, key_file: str | None) -> bytes | None:
+    if key_fd is not None:
+        with os.fdopen(key_fd, "rb") as f:
+            return f.read(KEY_LIMIT_BYTES)
+    if key_file:
+        raw = _regular_file(key_file, KEY_LIMIT_BYTES, follow=True)
+        if raw is None:
+            raise SystemExit(f"cannot read the key file {key_file}")
+        return raw.strip()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one candidate train.py under the benchmark's rules.")
-    parser.add_argument("--candidate", required=True, help="the candidate train.py")
-    parser.add_argument("--result", required=True, help="where to write the result JSON")
+    parser.add_argument("--phase", choices=PHASES, default="all",
+                        help="all (default) | stage | train | evaluate: see the module docstring")
+    parser.add_argument("--candidate", default=None, help="the candidate train.py (all, train, evaluate)")
+    parser.add_argument("--result", default=None, help="where to write the result JSON (all, evaluate)")
+    parser.add_argument("--train-data", default=None, help="stage, train: the staged training data directory")
+    parser.add_argument("--export-dir", default=None,
+                        help="train, evaluate: the directory the candidate's scratch and the train record live in")
     parser.add_argument("--source", default=None, help="hub | synthetic | dir:PATH (default $AUTOLAB_SOURCE or hub)")
     parser.add_argument("--budget", type=float, default=None,
                         help=f"training seconds (default: the profile's, {prepare.TIME_BUDGET:g})")
@@ -734,16 +1326,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-shards", type=int, default=None, help="hub source: training shards")
     parser.add_argument("--endpoint", default=None, help="hub source: Hub endpoint (default $HF_ENDPOINT)")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep the run directory (export, copy)")
-    parser.add_argument("--sandbox", choices=["auto", "bwrap", "none"], default="bwrap",
-                        help="bwrap (default): refuse to run unsandboxed; none: the caller isolates the run")
+    parser.add_argument("--sandbox", choices=SANDBOX_MODES, default="bwrap",
+                        help="bwrap (default): refuse to run unsandboxed; uid: another uid without namespaces "
+                             "(as root); isolated: bwrap, else uid; container: the caller's container is the "
+                             "boundary; none: no boundary")
     parser.add_argument("--key-fd", type=int, default=None,
                         help="read the result-signing key from this file descriptor (then close it)")
+    parser.add_argument("--key-file", default=None, help="read the result-signing key from this file")
     parser.add_argument("--run", default=None, help="the run's name, recorded in the signed result")
     args = parser.parse_args(argv)
-    key = None
-    if args.key_fd is not None:
-        with os.fdopen(args.key_fd, "rb") as f:
-            key = f.read(256)
+    need = {"all": ("candidate", "result"), "stage": ("train_data",),
+            "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
+    missing = [f"--{n.replace('_', '-')}" for n in need[args.phase] if getattr(args, n) is None]
+    if missing:
+        parser.error(f"--phase {args.phase} needs {' '.join(missing)}")
+    if args.phase == "stage":
+        status = stage_data(args.train_data, source=args.source, num_shards=args.num_shards,
+                            endpoint=args.endpoint, log_path=args.log, termination_log=args.termination_log)
+        return EXIT_SUCCEEDED if status["ok"] else EXIT_HARNESS_ERROR
+    if args.phase == "train":
+        record = train_phase(args.candidate, args.export_dir, args.train_data, budget=args.budget,
+                             startup_allowance=args.startup_allowance, sandbox_request=args.sandbox,
+                             log_path=args.log)
+        return EXIT_SUCCEEDED if record["written"] else EXIT_HARNESS_ERROR
+    key = _read_key(args.key_fd, args.key_file)
+    if args.phase == "evaluate":
+        result = evaluate_phase(
+            args.candidate, args.export_dir, args.result, source=args.source, budget=args.budget,
+            startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
+            curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint,
+            sandbox_request=args.sandbox, key=key, run=args.run,
+        )
+        return EXIT_CODES[result["status"]]
     result = run_candidate(
         args.candidate, args.result, source=args.source, budget=args.budget,
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,

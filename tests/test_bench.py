@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -276,15 +277,17 @@ def test_a_crashing_candidate_fails_with_exit_code_3(bench, tmp_path):
 
 
 def test_a_candidate_past_its_deadline_is_killed_with_its_children(bench, tmp_path):
-    pid_file = tmp_path / "grandchild.pid"
+    tag = f"{os.getpid()}.{time.time_ns() % 10**6}"  # a sleep of this many seconds is the grandchild
     candidate = write_candidate(tmp_path, (
         "import subprocess, time\n"
-        f"p = subprocess.Popen(['sleep', '600'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        f"subprocess.Popen(['sleep', '{tag}'], start_new_session=True)\n"
         "time.sleep(600)\n"
     ))
     result = harness(bench, candidate, tmp_path, budget=1, startup_allowance=2)
-    assert result["status"] == "failed" and "deadline" in result["reason"] and result["exit_code"] is None
-    assert not alive(int(pid_file.read_text()))
+    assert result["status"] == "failed" and result["reason_code"] == "BudgetExceeded"
+    assert "start-up allowance" in result["reason"]
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and alive(int(p.name))
+                and f"sleep\0{tag}".encode() in (p / "cmdline").read_bytes()]
 
 
 def alive(pid: int) -> bool:
@@ -306,9 +309,10 @@ def test_a_diverging_candidate_fails(bench, tmp_path):
 
 def test_a_printed_summary_never_becomes_the_metric(bench, tmp_path):
     fake = "\n---\nval_bpb:          0.000001\n"
-    no_export = write_candidate(tmp_path, f"print({fake!r})\n", "no_export.py")
+    no_export = write_candidate(tmp_path, "import prepare\nnext(prepare.make_loader('train', 1, 8))\n"
+                                          f"print({fake!r})\n", "no_export.py")
     result = harness(bench, no_export, tmp_path)
-    assert result["status"] == "failed" and "export" in result["reason"]
+    assert result["status"] == "failed" and result["reason_code"] == "NoExport" and "export" in result["reason"]
 
     source = TRAIN.read_text()
     assert "import prepare\n" in source
@@ -332,10 +336,12 @@ def test_an_exported_model_that_peeks_at_the_next_token_fails(bench, tmp_path):
         "    def forward(self, idx):\n"
         "        nxt = torch.roll(idx, -1, dims=1)  # the target, read from the input\n"
         "        return self.scale * torch.nn.functional.one_hot(nxt, prepare.VOCAB_SIZE).float()\n"
+        "next(prepare.make_loader('train', 1, 8))\n"
         "prepare.export_model(Peek(), {'num_steps': 0})\n"
     ))
     result = harness(bench, candidate, tmp_path)
-    assert result["status"] == "failed" and "not causal" in result["reason"]
+    assert result["status"] == "failed" and result["reason_code"] == "NotCausal"
+    assert "not causal" in result["reason"]
 
 
 def test_a_candidate_that_edits_the_harness_is_void(bench, tmp_path):
@@ -353,16 +359,29 @@ def test_a_candidate_that_edits_the_harness_is_void(bench, tmp_path):
     assert cli.returncode == 3 and result["status"] == "failed" and "prepare.py" in result["reason"]
 
 
-def test_a_candidate_that_edits_the_validation_data_is_void(bench, tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOLAB_CACHE", str(tmp_path / "cache"))  # this test spoils its cache
+def test_a_candidate_can_neither_read_nor_edit_the_validation_data(bench, tmp_path):
+    data = bench.prepare.prepare("synthetic", verify="full")
+    val = data.file("val.bin")
+    before = hashlib.sha256(val.read_bytes()).hexdigest()
     candidate = write_candidate(tmp_path, (
-        "import numpy as np, prepare\n"
-        "val = prepare.active_data().file('val.bin')\n"
-        "np.zeros(len(np.fromfile(val, dtype=np.uint16)), dtype=np.uint16).tofile(val)  # trivially predictable\n"
+        "import os, prepare\n"
+        f"val = {str(val)!r}\n"
+        "for what, how in (('READ', 'rb'), ('WROTE', 'r+b')):\n"
+        "    try:\n"
+        "        open(val, how).close(); print(what, flush=True)\n"
+        "    except OSError as e:\n"
+        "        print('refused', what, e.errno, flush=True)\n"
+        "try:\n"
+        "    prepare.active_data().tokens('val'); print('ACTIVE', flush=True)\n"
+        "except Exception as e:\n"
+        "    print('refused ACTIVE', type(e).__name__, flush=True)\n"
     ))
     result = harness(bench, candidate, tmp_path)
-    assert result["status"] == "failed" and "val.bin" in result["reason"] and "changed" in result["reason"]
-    assert bench.prepare.prepare("synthetic", verify="full").tokens("val").any()  # rebuilt
+    log = (tmp_path / "run.log").read_text()
+    assert "refused READ" in log and "refused WROTE" in log and "refused ACTIVE" in log, log
+    assert "\nREAD" not in log and "WROTE\n" not in log.replace("refused WROTE", "")
+    assert result["status"] == "failed"
+    assert hashlib.sha256(val.read_bytes()).hexdigest() == before
 
 
 # --- the Hub source, against a local stand-in --------------------------------------------------

@@ -10,6 +10,7 @@ against the real bench/train.py, the master ConfigMap, the ledger.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import difflib
 import json
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
+from controller.backends.local import result_signature
 from controller.cluster import sync_repo_master
 from controller.core.hashing import candidate_hash
 from controller.core.reconcile import baseline_run_name
@@ -106,14 +108,30 @@ class Cluster:
         return name
 
     async def finish_pod(self, pod: str, result: dict, exit_code: int) -> None:
-        """The container exits; the harness's result is its termination message."""
+        """The containers exit: stage and train (the init containers), then the evaluator, whose
+        termination message is the harness's result, signed with the key in the run's Secret
+        for the candidate its Job was made for."""
+        job = self.get(JOBS, pod.rsplit("-", 1)[0])
+        run = job["metadata"]["name"]
+        secret = self.get("v1/secrets", f"{run}-key")
+        result = {**result, "run": run, "limits": {"train_phase_seconds": 300.0},
+                  "candidate_sha1": job["metadata"]["annotations"]["autolab.dev/candidate-sha1"]}
+        result["signature"] = result_signature(base64.b64decode(secret["data"]["key"]), result)
         phase = "Succeeded" if exit_code == 0 else "Failed"
+
+        def done(name: str, code: int, started: str, finished: str, message: str = "") -> dict:
+            return {"name": name, "image": IMAGE, "imageID": "", "ready": False,
+                    "restartCount": 0, "state": {"terminated": {
+                        "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                        "message": message, "startedAt": started, "finishedAt": finished}}}
+
         await self.call(self.core.patch_namespaced_pod_status, pod, NS, {"status": {
-            "phase": phase, "containerStatuses": [{
-                "name": "run", "image": IMAGE, "imageID": "", "ready": False, "restartCount": 0,
-                "state": {"terminated": {"exitCode": exit_code, "reason": "Completed" if
-                                         exit_code == 0 else "Error",
-                                         "message": json.dumps(result)}}}]}},
+            "phase": phase,
+            "initContainerStatuses": [
+                done("stage", 0, "2026-11-29T09:59:00Z", "2026-11-29T09:59:10Z"),
+                done("train", 0, "2026-11-29T09:59:10Z", "2026-11-29T10:01:10Z")],
+            "containerStatuses": [done("run", exit_code, "2026-11-29T10:01:10Z",
+                                       "2026-11-29T10:01:30Z", json.dumps(result))]}},
                         _content_type="application/merge-patch+json")
 
     def ledger(self, lab: str = "default") -> list[dict]:

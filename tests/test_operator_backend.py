@@ -1,27 +1,37 @@
 """The Kubernetes Job backend on its own: what a run's Job looks like, and how its state is read.
 
 No operator here: the backend talks to the API emulator through the real
-client, and the test plays the Job controller and the kubelet.
+client, and the test plays the Job controller and the kubelet (and the
+harness, signing results with the key the backend put in the run's Secret).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import kmock
 import pytest
+import yaml
 from kubernetes import client as k8s
 
 from controller.backends import RunRequest
 from controller.backends.kubernetes import KubernetesBackend
-from controller.cluster import Kube, MasterStore
+from controller.backends.local import result_signature
+from controller.cluster import Kube, MasterStore, owner_reference
 from controller.core.spec import LabSpec
 from controller.emulator import Emulator
 
+REPO = Path(__file__).resolve().parents[1]
 NS = "autolab"
 JOBS = "batch/v1/jobs"
+SECRETS = "v1/secrets"
+CANDIDATE = "print(1)\n"
+SHA1 = hashlib.sha1(CANDIDATE.encode()).hexdigest()
 
 
 class Env:
@@ -41,8 +51,24 @@ class Env:
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS,
                          "labels": {"job-name": job, "app.kubernetes.io/managed-by": "autolab"}},
-            "spec": {"containers": [{"name": "run", "image": "bench:1"}], "nodeName": "n1"},
+            "spec": {"initContainers": [{"name": "stage", "image": "bench:1"},
+                                        {"name": "train", "image": "bench:1"}],
+                     "containers": [{"name": "run", "image": "bench:1"}], "nodeName": "n1"},
             "status": status})
+
+    def key(self, run: str) -> bytes:
+        """The run's key, as the evaluator container reads it from the Secret's volume."""
+        secret = self.em.get(SECRETS, NS, f"{run}-key")
+        return base64.b64decode(secret["data"]["key"]).strip()
+
+    def signed(self, run: str, status: str, val: float | None = None, reason: str = "",
+               limit: float = 100.0, **extra: Any) -> str:
+        """The termination message the harness's evaluate phase writes for `run`."""
+        out = harness_result(status, val, reason)
+        out.update({"run": run, "candidate_sha1": SHA1, "limits": {"train_phase_seconds": limit},
+                    **extra})
+        out["signature"] = result_signature(self.key(run), out)
+        return json.dumps(out)
 
     async def job_condition(self, job: str, type_: str, reason: str) -> None:
         await asyncio.to_thread(self.batch.patch_namespaced_job_status, job, NS, {"status": {
@@ -60,19 +86,33 @@ async def env() -> AsyncIterator[Env]:
 
 
 def request(run: str = "exp-e-1", gpus: int = 1) -> RunRequest:
-    return RunRequest(run=run, experiment="e", campaign="c", candidate_source="print(1)\n",
+    return RunRequest(run=run, experiment="e", campaign="c", candidate_source=CANDIDATE,
                       candidate_path="", slot="slot-0", profile="tiny", data="synthetic",
                       budget_seconds=30, gpus=gpus)
 
 
-def terminated(exit_code: int, message: str = "") -> dict:
-    return {"phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": [{
-        "name": "run", "image": "bench:1", "imageID": "", "ready": False, "restartCount": 0,
-        "state": {"terminated": {"exitCode": exit_code, "message": message}}}]}
+def init_status(name: str, exit_code: int, seconds: float = 0, reason: str = "Completed",
+                message: str = "") -> dict:
+    finished = f"2026-12-01T10:{int(seconds) // 60:02d}:{int(seconds) % 60:02d}Z"
+    return {"name": name, "image": "bench:1", "imageID": "", "ready": exit_code == 0,
+            "restartCount": 0, "state": {"terminated": {
+                "exitCode": exit_code, "reason": reason, "message": message,
+                "startedAt": "2026-12-01T10:00:00Z", "finishedAt": finished}}}
+
+
+def terminated(exit_code: int, message: str = "", train_seconds: float = 40) -> dict:
+    """A Pod whose stage and train init containers did their part and whose evaluator exited."""
+    return {"phase": "Succeeded" if exit_code == 0 else "Failed",
+            "initContainerStatuses": [init_status("stage", 0, 5),
+                                      init_status("train", 0, train_seconds)],
+            "containerStatuses": [{
+                "name": "run", "image": "bench:1", "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"terminated": {"exitCode": exit_code,
+                                                            "message": message}}}]}
 
 
 def harness_result(status: str, val: float | None = None, reason: str = "") -> dict:
-    out: dict = {"version": 1, "status": status, "reason": reason}
+    out: dict = {"version": 2, "status": status, "reason": reason}
     if val is not None:
         out["metrics"] = {"val_bpb": val}
     return out
@@ -85,10 +125,12 @@ async def call(fn: Any, *args: Any) -> Any:
 async def test_submitting_twice_adopts_the_job_instead_of_starting_another(env):
     b = env.backend()
     first = await call(b.submit, request())
+    key = env.key("exp-e-1")
     again = await call(b.submit, request())
     assert first.state == again.state == "queued"
     assert first.job_id == again.job_id
     assert len(env.em.items(JOBS, NS)) == 1
+    assert env.key("exp-e-1") == key  # the key the first Job's evaluator signs with stays
 
 
 async def test_kueue_queue_makes_a_suspended_job_that_waits_to_be_admitted(env):
@@ -103,16 +145,92 @@ async def test_kueue_queue_makes_a_suspended_job_that_waits_to_be_admitted(env):
 async def test_cpu_run_requests_no_gpu_and_without_a_cache_pvc_uses_an_empty_dir(env):
     await call(env.backend().submit, request(gpus=0))
     pod = env.em.get(JOBS, NS, "exp-e-1")["spec"]["template"]["spec"]
-    assert "resources" not in pod["containers"][0]
+    assert all("resources" not in c for c in pod["containers"] + pod["initContainers"])
     assert {"name": "cache", "emptyDir": {}} in pod["volumes"]
+
+
+async def test_the_candidate_trains_in_a_container_of_its_own_with_least_privilege(env):
+    """stage -> train -> evaluate, one container each: the candidate's container gets the
+    training split and a place to export, nothing else; only the evaluator sees the
+    validation data and the key; every container is locked down."""
+    b = env.backend(cachePVC="autolab-cache")
+    await call(b.submit, request())
+    job = env.em.get(JOBS, NS, "exp-e-1")
+    assert job["metadata"]["annotations"]["autolab.dev/candidate-sha1"] == SHA1
+    # Every field is one the Kubernetes API knows (a misspelt one would be dropped here).
+    client = k8s.ApiClient()
+    model = client._ApiClient__deserialize(json.loads(json.dumps(job["spec"])), "V1JobSpec")
+    assert client.sanitize_for_serialization(model) == job["spec"]
+
+    pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["shareProcessNamespace"] is False and pod["enableServiceLinks"] is False
+    assert not (pod["hostPID"] or pod["hostIPC"] or pod["hostNetwork"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "serviceAccountName" not in pod
+    stage, train = pod["initContainers"]
+    (run,) = pod["containers"]
+    assert [c["name"] for c in (stage, train, run)] == ["stage", "train", "run"]
+    for c in (stage, train, run):
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert sc["readOnlyRootFilesystem"] is True
+        assert "envFrom" not in c and all("valueFrom" not in e for e in c["env"])
+        assert c["command"][:3] == ["python", "-I", "/opt/autolab/bench/run.py"]
+    phase = {c["name"]: c["command"][c["command"].index("--phase") + 1] for c in (stage, train, run)}
+    assert phase == {"stage": "stage", "train": "train", "run": "evaluate"}
+    assert train["command"][train["command"].index("--sandbox") + 1] == "container"
+    assert run["command"][run["command"].index("--run") + 1] == "exp-e-1"
+    assert run["terminationMessagePolicy"] == "File"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def mounts(c: dict) -> dict[str, tuple[str, bool]]:
+        return {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in c["volumeMounts"]}
+
+    assert mounts(stage) == {"cache": ("/var/cache/autolab", False),
+                             "train-data": ("/autolab/train-data", False),
+                             "stage-tmp": ("/tmp", False)}
+    assert mounts(train) == {"candidate": ("/autolab/candidate", True),
+                             "train-data": ("/autolab/train-data", True),
+                             "export": ("/autolab/export", False),
+                             "train-tmp": ("/tmp", False)}
+    assert mounts(run) == {"candidate": ("/autolab/candidate", True),
+                           "cache": ("/var/cache/autolab", True),
+                           "export": ("/autolab/export", True),
+                           "key": ("/autolab/key", True),
+                           "run-tmp": ("/tmp", False)}
+    for name in ("train-data", "export", "stage-tmp", "train-tmp", "run-tmp"):
+        assert volumes[name] == {"name": name, "emptyDir": {}}
+    assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == "autolab-cache"
+    assert volumes["key"]["secret"]["secretName"] == "exp-e-1-key"
+    # The key: a Secret of its own, mounted into the evaluator only, named nowhere else.
+    assert len(env.key("exp-e-1")) == 64
+    key = env.key("exp-e-1").decode()
+    assert key not in json.dumps(job)
+    assert [c["name"] for c in (stage, train, run) if "key" in mounts(c)] == ["run"]
+    assert [c["name"] for c in (stage, train, run) if "cache" in mounts(c)] == ["stage", "run"]
+    gpus = {c["name"]: (c.get("resources") or {}).get("limits") for c in (stage, train, run)}
+    assert gpus == {"stage": None, "train": {"nvidia.com/gpu": "1"}, "run": {"nvidia.com/gpu": "1"}}
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert rules[2] == {"action": "FailJob", "onExitCodes": {
+        "containerName": "train", "operator": "NotIn", "values": [0, 4]}}
+    secret = env.em.get(SECRETS, NS, "exp-e-1-key")
+    assert secret["metadata"]["labels"]["autolab.dev/run"] == "exp-e-1"
 
 
 async def test_result_comes_from_the_termination_message(env):
     b = env.backend()
     await call(b.submit, request())
-    await env.pod("exp-e-1", "exp-e-1-a", terminated(0, json.dumps(harness_result("succeeded", 0.91))))
+    await env.pod("exp-e-1", "exp-e-1-a", terminated(0, env.signed("exp-e-1", "succeeded", 0.91)))
     obs = await call(b.observe, "exp-e-1")
     assert obs.state == "succeeded" and obs.result["metrics"]["val_bpb"] == 0.91
+    assert obs.result["train_container_seconds"] == 40
+    assert "signature" not in obs.result
     assert obs.worker == "k8s:n1/exp-e-1-a"
 
 
@@ -120,7 +238,7 @@ async def test_log_is_the_fallback_and_a_line_the_candidate_printed_is_not_belie
     b = env.backend()
     await call(b.submit, request())
     fake = "AUTOLAB_RESULT " + json.dumps(harness_result("succeeded", 0.1))
-    # The harness died (exit 137) after the candidate printed a "result": nothing to believe.
+    # The harness died (exit 137) after a "result" was printed: nothing to believe.
     await env.pod("exp-e-1", "exp-e-1-a", terminated(137))
     env.em.logs[(NS, "exp-e-1-a")] = f"step 1\n{fake}\n"
     assert (await call(b.observe, "exp-e-1")).state == "queued"
@@ -129,17 +247,97 @@ async def test_log_is_the_fallback_and_a_line_the_candidate_printed_is_not_belie
     assert obs.state == "lost" and "BackoffLimitExceeded" in obs.message
     # A harness that could not write its termination message: its own last line, exit code 3.
     await env.pod("exp-e-1", "exp-e-1-b", terminated(3))
-    real = "AUTOLAB_RESULT " + json.dumps(harness_result("failed", reason="loss is NaN"))
+    real = "AUTOLAB_RESULT " + env.signed("exp-e-1", "failed", reason="loss is NaN")
     env.em.logs[(NS, "exp-e-1-b")] = f"{fake}\nharness: failed\n{real}\n"
     obs = await call(b.observe, "exp-e-1")
     assert obs.state == "failed" and obs.message == "loss is NaN"
 
 
+@pytest.mark.parametrize("forgery", ["unsigned", "other run", "other key", "other candidate"])
+async def test_a_result_that_is_not_this_runs_harness_is_not_believed(env, forgery):
+    b = env.backend()
+    await call(b.submit, request())
+    await call(b.submit, request("exp-f-1"))
+    message = {
+        "unsigned": json.dumps(harness_result("succeeded", 0.1) | {"run": "exp-e-1",
+                                                                   "candidate_sha1": SHA1}),
+        "other run": env.signed("exp-f-1", "succeeded", 0.1),  # a valid result, of another run
+        "other key": json.dumps(json.loads(env.signed("exp-e-1", "succeeded", 0.1))
+                                | {"signature": "0" * 64}),
+        "other candidate": env.signed("exp-e-1", "succeeded", 0.1, candidate_sha1="f" * 40),
+    }[forgery]
+    await env.pod("exp-e-1", "exp-e-1-a", terminated(0, message))
+    assert (await call(b.observe, "exp-e-1")).state == "queued"  # not final: nothing believed
+    await env.job_condition("exp-e-1", "Complete", "Completed")
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "error" and obs.result["reason_code"] == "ResultNotAuthentic"
+    assert "metrics" not in obs.result
+
+
+async def test_a_train_container_that_ran_past_its_allowance_fails_with_budget_exceeded(env):
+    """The harness in the train container is within the candidate's reach; its Pod status is
+    not: a run whose train container outlasted the harness's own limit is BudgetExceeded,
+    whatever the signed result says."""
+    b = env.backend()
+    await call(b.submit, request())
+    await call(b.submit, request("exp-f-1"))
+    await env.pod("exp-e-1", "exp-e-1-a", terminated(
+        0, env.signed("exp-e-1", "succeeded", 0.5, limit=100.0), train_seconds=161))
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "failed" and obs.result["reason_code"] == "BudgetExceeded"
+    assert obs.result["train_container_seconds"] == 161 and "metrics" not in obs.result
+    assert "161s" in obs.message and "100s" in obs.message
+    # Just within: believed.
+    await env.pod("exp-f-1", "exp-f-1-a", terminated(
+        0, env.signed("exp-f-1", "succeeded", 0.5, limit=100.0), train_seconds=99))
+    obs = await call(b.observe, "exp-f-1")
+    assert obs.state == "succeeded" and obs.result["train_container_seconds"] == 99
+
+
+async def test_a_result_the_controller_cannot_hold_to_its_budget_is_an_error(env):
+    b = env.backend()
+    await call(b.submit, request())
+    status = terminated(0, env.signed("exp-e-1", "succeeded", 0.5))
+    del status["initContainerStatuses"][1]["state"]["terminated"]["finishedAt"]
+    await env.pod("exp-e-1", "exp-e-1-a", status)
+    await env.job_condition("exp-e-1", "Complete", "Completed")
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "error" and "how long the train container ran" in obs.message
+
+
+async def test_a_train_container_that_died_outside_the_harness_fails_the_run(env):
+    b = env.backend()
+    await call(b.submit, request())
+    await env.pod("exp-e-1", "exp-e-1-a", {
+        "phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "True"}],
+        "initContainerStatuses": [init_status("stage", 0, 5),
+                                  init_status("train", 137, 30, reason="Error")]})
+    assert (await call(b.observe, "exp-e-1")).state == "queued"  # preempted: the Job retries
+    await env.pod("exp-e-1", "exp-e-1-b", {
+        "phase": "Failed", "initContainerStatuses": [
+            init_status("stage", 0, 5), init_status("train", 137, 30, reason="OOMKilled")]})
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "failed" and obs.result["reason_code"] == "CandidateCrashed"
+    assert "OOMKilled" in obs.message and obs.worker == "k8s:n1/exp-e-1-b"
+
+
+async def test_a_stage_container_that_failed_is_named_when_the_job_gives_up(env):
+    b = env.backend()
+    await call(b.submit, request())
+    await env.pod("exp-e-1", "exp-e-1-a", {"phase": "Failed", "initContainerStatuses": [
+        init_status("stage", 4, 5, reason="Error", message=json.dumps(
+            {"ok": False, "reason": "preparing the data (hub) failed: no network"}))]})
+    assert (await call(b.observe, "exp-e-1")).state == "queued"
+    await env.job_condition("exp-e-1", "Failed", "BackoffLimitExceeded")
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "lost" and "stage container failed: preparing the data (hub)" in obs.message
+
+
 async def test_infrastructure_error_is_final_only_when_the_job_gives_up(env):
     b = env.backend()
     await call(b.submit, request())
-    await env.pod("exp-e-1", "exp-e-1-a", terminated(4, json.dumps(
-        harness_result("error", reason="cache volume full"))))
+    await env.pod("exp-e-1", "exp-e-1-a", terminated(4, env.signed(
+        "exp-e-1", "error", reason="cache volume full")))
     assert (await call(b.observe, "exp-e-1")).state == "queued"  # the Job retries (backoffLimit)
     await env.job_condition("exp-e-1", "Failed", "BackoffLimitExceeded")
     obs = await call(b.observe, "exp-e-1")
@@ -161,12 +359,37 @@ async def test_job_past_its_deadline_without_a_result_is_lost(env):
 async def test_cancel_keeps_a_result_that_arrived_first(env):
     b = env.backend()
     await call(b.submit, request())
-    await env.pod("exp-e-1", "exp-e-1-a", terminated(0, json.dumps(harness_result("succeeded", 0.9))))
+    await env.pod("exp-e-1", "exp-e-1-a", terminated(0, env.signed("exp-e-1", "succeeded", 0.9)))
     assert (await call(b.cancel, "exp-e-1")).state == "succeeded"
     assert env.em.get(JOBS, NS, "exp-e-1") is not None
     await call(b.submit, request("exp-f-1"))
     assert (await call(b.cancel, "exp-f-1")).state == "cancelled"
     assert env.em.get(JOBS, NS, "exp-f-1") is None
+
+
+async def test_cleanup_removes_the_job_its_candidate_and_its_key(env):
+    b = env.backend()
+    await call(b.submit, request())
+    assert await call(b.leftovers, "exp-e-1")
+    await call(b.cleanup, "exp-e-1")
+    assert env.em.get(SECRETS, NS, "exp-e-1-key") is None
+    assert not await call(b.leftovers, "exp-e-1")
+
+
+def test_rbac_grants_what_the_backend_does_with_keys_and_owner_references():
+    docs = list(yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text()))
+    (role,) = [d for d in docs if d and d["kind"] == "Role"]
+
+    def granted(group: str, resource: str, verb: str) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+                   for r in role["rules"])
+
+    assert all(granted("", "secrets", v) for v in ("get", "create", "delete"))
+    ref = owner_reference({"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+                           "metadata": {"name": "e", "uid": "u"}})
+    if ref.get("blockOwnerDeletion"):  # the API server then checks update on the finalizers
+        assert granted("autolab.dev", "experiments/finalizers", "update")
+        assert granted("autolab.dev", "labs/finalizers", "update")
 
 
 async def test_missing_image_is_refused_with_what_to_set(env):

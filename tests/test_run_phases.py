@@ -1,0 +1,344 @@
+"""bench/run.py in phases and in uid mode, for real, on the tiny CPU profile.
+
+Phases: `--phase stage`, `--phase train` and `--phase evaluate` in separate
+processes, as the three containers of a Kubernetes run Pod run them
+(controller/backends/kubernetes.py): the training split alone is staged for
+the candidate, the train phase leaves its record and the candidate's export
+in a directory, the evaluate phase measures it and signs the result.
+
+uid mode (`--sandbox uid`): the candidate as another uid without namespaces,
+as in a Hugging Face job's container where the harness is root. These tests
+use a uid of their own (AUTOLAB_SANDBOX_UID), not sandbox.SANDBOX_UID, so that
+the kill(-1) of uid mode cannot reach the candidates of bubblewrap runs other
+tests may have going at the same time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from controller.backends.kubernetes import authentic
+from controller.backends.local import result_signature
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+TRAIN = BENCH / "train.py"
+BUDGET = 2.5
+KEY = b"0123456789abcdef" * 4
+HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+
+
+def env_for(cache: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k in ("PATH", "LANG", "LC_ALL", "LD_LIBRARY_PATH")}
+    env.update(AUTOLAB_CACHE=str(cache), AUTOLAB_BENCH_PROFILE="tiny", CUDA_VISIBLE_DEVICES="",
+               **extra)
+    return env
+
+
+def run_py(harness: Path, cache: Path, *args: str | Path, timeout: float = 300,
+           **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-I", str(harness / "run.py"), *map(str, args)],
+                          env=env_for(cache, **extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """run.py imported with the tiny profile (for its functions and constants)."""
+    cache = tmp_path_factory.mktemp("phases-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AUTOLAB_CACHE", str(cache))
+    mp.setenv("AUTOLAB_BENCH_PROFILE", "tiny")
+    for var in ("AUTOLAB_SOURCE", "AUTOLAB_DATA_DIR", "AUTOLAB_TIME_BUDGET", "AUTOLAB_SANDBOX_UID"):
+        mp.delenv(var, raising=False)
+    mp.syspath_prepend(str(BENCH))
+    if "prepare" in sys.modules:
+        importlib.reload(sys.modules["prepare"])
+    spec = importlib.util.spec_from_file_location("autolab_run_phases", BENCH / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    assert run.prepare.PROFILE == "tiny"
+    yield types.SimpleNamespace(run=run, prepare=run.prepare, sandbox=run.sandbox, cache=cache)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def staged(bench, tmp_path_factory) -> Path:
+    """The stage phase's output: the training split of the synthetic source."""
+    out = tmp_path_factory.mktemp("train-data")
+    done = run_py(BENCH, bench.cache, "--phase", "stage", "--source", "synthetic",
+                  "--train-data", out, "--termination-log", out.parent / "stage.term")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def train_then_evaluate(bench, staged: Path, tmp: Path, candidate: Path, *, sandbox: str,
+                        train_budget: float = BUDGET, eval_budget: float = BUDGET,
+                        startup: float | None = None) -> tuple[subprocess.CompletedProcess,
+                                                               subprocess.CompletedProcess, dict]:
+    export = tmp / "export"
+    allowance = ["--startup-allowance", str(startup)] if startup is not None else []
+    train = run_py(BENCH, bench.cache, "--phase", "train", "--candidate", candidate,
+                   "--train-data", staged, "--export-dir", export, "--budget", str(train_budget),
+                   "--sandbox", sandbox, *allowance)
+    assert train.returncode == 0, train.stdout + train.stderr  # the record is written, whatever
+    assert "AUTOLAB_RESULT" not in train.stdout  # the train phase signs nothing, says nothing
+    key = write(tmp / "key" / "key", KEY.decode() + "\n")
+    evaluate = run_py(BENCH, bench.cache, "--phase", "evaluate", "--candidate", candidate,
+                      "--export-dir", export, "--result", tmp / "result.json",
+                      "--termination-log", tmp / "termination-log", "--source", "synthetic",
+                      "--budget", str(eval_budget), "--sandbox", sandbox, "--key-file", key,
+                      "--run", "exp-x-1", *allowance)
+    result = json.loads((tmp / "result.json").read_text())
+    assert json.loads((tmp / "termination-log").read_text()) == result
+    assert evaluate.returncode == bench.run.EXIT_CODES[result["status"]], evaluate.stdout
+    return train, evaluate, result
+
+
+# --- phases --------------------------------------------------------------------------------------
+
+
+def test_stage_copies_the_training_split_and_nothing_else(bench, staged):
+    assert sorted(p.name for p in staged.iterdir()) == ["data.json", "train.bin"]
+    record = json.loads((staged / "data.json").read_text())
+    data = bench.prepare.prepare("synthetic")
+    assert record["sha256"] == data.sha256("train.bin")
+    assert hashlib.sha256((staged / "train.bin").read_bytes()).hexdigest() == record["sha256"]
+    assert (record["profile"], record["source"]) == ("tiny", "synthetic")
+
+
+@pytest.mark.parametrize("sandbox", ["container", "bwrap"])
+def test_train_then_evaluate_in_two_processes_gives_a_succeeded_signed_result(bench, staged,
+                                                                              tmp_path, sandbox):
+    if sandbox == "bwrap" and bench.sandbox.available():
+        pytest.skip(bench.sandbox.available())
+    train, evaluate, result = train_then_evaluate(bench, staged, tmp_path, TRAIN, sandbox=sandbox)
+    assert result["status"] == "succeeded", result["reason"]
+    assert result["candidate_sha1"] == hashlib.sha1(TRAIN.read_bytes()).hexdigest()
+    assert result["run"] == "exp-x-1" and result["sandbox"] == sandbox
+    # The controller's check, as the Kubernetes backend makes it.
+    assert result["signature"] == result_signature(KEY, result)
+    assert authentic(result, KEY, "exp-x-1", result["candidate_sha1"]) is None
+    assert authentic(result, b"another key", "exp-x-1", result["candidate_sha1"]) is not None
+    metrics = result["metrics"]
+    assert 0 < metrics["val_bpb"] < 10 and metrics["total_tokens_M"] > 0
+    assert metrics["training_seconds"] <= BUDGET + bench.run.budget_slack(BUDGET)
+    assert "model exported" in train.stdout and "[evaluate]" in evaluate.stdout
+    prof = bench.prepare.PROFILES["tiny"]
+    assert result["limits"] == {
+        "budget_seconds": BUDGET, "startup_allowance_seconds": prof.startup_allowance,
+        "export_allowance_seconds": prof.export_allowance,
+        "train_phase_seconds": round(prof.startup_allowance + BUDGET + bench.run.budget_slack(BUDGET)
+                                     + prof.export_allowance + bench.run.TRAIN_PHASE_OVERHEAD, 1)}
+    # Timed in the candidate's own container, the figures are informational; in bubblewrap not.
+    assert ("training_seconds" in result["self_reported"]) == (sandbox == "container")
+    assert Path(result["curve"]).read_text().strip()
+
+
+def test_a_train_phase_past_its_budget_is_budget_exceeded(bench, staged, tmp_path):
+    candidate = write(tmp_path / "candidate" / "train.py", (
+        "import prepare\n"
+        "batches = prepare.make_loader('train', 1, 16)\n"
+        "while True:  # never done\n"
+        "    next(batches)\n"
+    ))
+    train, _, result = train_then_evaluate(bench, staged, tmp_path, candidate, sandbox="container",
+                                           train_budget=1, eval_budget=1)
+    record = json.loads((tmp_path / "export" / "record.json").read_text())
+    assert record["outcome"]["reason_code"] == "BudgetExceeded"
+    assert (result["status"], result["reason_code"]) == ("failed", "BudgetExceeded")
+    assert "budget" in result["reason"] and "metrics" not in result
+    assert result["signature"] == result_signature(KEY, result)
+
+
+def test_an_evaluator_holds_the_train_record_to_its_own_budget(bench, staged, tmp_path):
+    """A record that says training took longer than the evaluator's budget (a train phase run
+    with a longer one, or a record the candidate rewrote) is BudgetExceeded."""
+    _, _, result = train_then_evaluate(bench, staged, tmp_path, TRAIN, sandbox="container",
+                                       train_budget=BUDGET, eval_budget=0.5)
+    assert (result["status"], result["reason_code"]) == ("failed", "BudgetExceeded")
+    assert "past its budget of 0.5s" in result["reason"]
+
+
+def test_an_export_reached_through_a_link_is_not_evaluated(bench, staged, tmp_path):
+    _, _, result = train_then_evaluate(bench, staged, tmp_path, TRAIN, sandbox="container")
+    assert result["status"] == "succeeded", result["reason"]
+    scratch = tmp_path / "export" / "scratch"
+    shutil.move(scratch / "export", tmp_path / "elsewhere")
+    (scratch / "export").symlink_to(tmp_path / "elsewhere")
+    done = run_py(BENCH, bench.cache, "--phase", "evaluate", "--candidate", TRAIN,
+                  "--export-dir", tmp_path / "export", "--result", tmp_path / "again.json",
+                  "--source", "synthetic", "--budget", str(BUDGET), "--sandbox", "container",
+                  "--termination-log", tmp_path / "t2")
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert (again["status"], again["reason_code"]) == ("failed", "NoExport"), again["reason"]
+    assert done.returncode == 3
+
+
+def test_phase_arguments_are_checked_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, "-I", str(BENCH / "run.py"), "--phase", "train",
+                           "--candidate", str(TRAIN)], capture_output=True, text=True, timeout=60,
+                          env=env_for(tmp_path))
+    assert done.returncode == 2 and "--train-data" in done.stderr and "--export-dir" in done.stderr
+
+
+def test_isolated_is_bwrap_else_a_uid_of_its_own_else_a_refusal(bench, monkeypatch):
+    run = bench.run
+    monkeypatch.setattr(run.sandbox, "available", lambda: None)
+    assert run.sandbox_mode("isolated") == "bwrap"
+    monkeypatch.setattr(run.sandbox, "available", lambda: "bubblewrap cannot create namespaces here")
+    monkeypatch.setattr(run.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(run.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert run.sandbox_mode("isolated") == "uid"
+    monkeypatch.setattr(run.os, "geteuid", lambda: 1000)
+    with pytest.raises(run.Outcome) as refused:
+        run.sandbox_mode("isolated")
+    assert refused.value.code == "SandboxUnavailable" and refused.value.status == "error"
+    assert "cannot create namespaces" in refused.value.reason and "root" in refused.value.reason
+
+
+# --- uid mode ------------------------------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="uid mode needs root and setpriv")
+
+
+@pytest.fixture(scope="module")
+def uid_lab(bench, tmp_path_factory):
+    """A harness and a data cache only root can read, and a uid no process has."""
+    root = tmp_path_factory.mktemp("uid-lab")
+    assert any(stat.S_IMODE(p.stat().st_mode) & 0o001 == 0 for p in (root, *root.parents)), \
+        f"{root} is reachable by other users"
+    harness = root / "bench"
+    harness.mkdir()
+    for name in HARNESS_FILES:
+        shutil.copyfile(BENCH / name, harness / name)
+    cache = root / "cache"
+    uid = next(u for u in range(62000 + os.getpid() % 500, 63000) if not bench.run.uid_processes(u))
+    done = run_py(harness, cache, "--phase", "stage", "--source", "synthetic",
+                  "--train-data", root / "unused")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return types.SimpleNamespace(harness=harness, cache=cache, uid=uid, root=root)
+
+
+def run_as_uid(bench, lab, tmp_path: Path, candidate: Path, **kw) -> tuple[dict, str]:
+    done = run_py(lab.harness, lab.cache, "--candidate", candidate, "--result", tmp_path / "r.json",
+                  "--source", "synthetic", "--budget", str(kw.get("budget", BUDGET)),
+                  "--sandbox", "uid", "--termination-log", tmp_path / "term",
+                  AUTOLAB_SANDBOX_UID=str(lab.uid))
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert not bench.run.uid_processes(lab.uid)  # nothing of the candidate is left
+    return result, done.stdout
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+@needs_root
+def test_uid_mode_runs_the_candidate_as_its_own_uid_and_measures_it(bench, uid_lab, tmp_path):
+    result, out = run_as_uid(bench, uid_lab, tmp_path, TRAIN)
+    assert result["status"] == "succeeded", result["reason"]
+    assert result["sandbox"] == "uid" and f"as uid {uid_lab.uid}" in out
+    assert 0 < result["metrics"]["val_bpb"] < 10
+
+
+@needs_root
+def test_uid_mode_kills_a_setsid_child_and_a_daemon_left_behind(bench, uid_lab, tmp_path):
+    candidate = write(tmp_path / "candidate" / "train.py", (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '600'], start_new_session=True,\n"
+        "                         stdout=subprocess.DEVNULL)\n"
+        "print('CHILD', child.pid, flush=True)\n"
+        "if os.fork() == 0:  # a daemon: double fork, new session, output closed\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        print('DAEMON', os.getpid(), flush=True)\n"
+        "        os.close(1); os.close(2)\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n"
+    ))
+    result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
+    pids = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
+            if line.startswith(("CHILD ", "DAEMON "))}
+    assert set(pids) == {"CHILD", "DAEMON"}, out
+    assert not any(alive(p) for p in pids.values())
+    assert f"2 process(es) of uid {uid_lab.uid} outlived the candidate and were killed" in out
+    assert result["reason_code"] == "NoTraining"  # it never trained; nothing of it outlived it
+
+
+@needs_root
+def test_uid_mode_candidate_reads_nothing_of_root_and_has_no_privileges(bench, uid_lab, tmp_path):
+    secret = Path("/tmp") / f"autolab-test-secret-{os.getpid()}"  # a directory every uid can search
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"the root's own")
+    os.close(fd)
+    data = bench.prepare.load_prepared(next((uid_lab.cache / "data").glob("tiny-synthetic-*")))
+    try:
+        targets = [str(secret), str(data.file("val.bin")), str(uid_lab.harness / "run.py"),
+                   str(uid_lab.harness), str(uid_lab.cache)]
+        candidate = write(tmp_path / "candidate" / "train.py", (
+            "import json, os\n"
+            f"targets = {targets!r}\n"
+            "read = []\n"
+            "for t in targets:\n"
+            "    try:\n"
+            "        os.listdir(t) if os.path.isdir(t) else open(t, 'rb').read()\n"
+            "        read.append(t)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "status = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines()\n"
+            "              if ':\\t' in l)\n"
+            "print('PROBE', json.dumps({'read': read, 'uid': os.getuid(), 'euid': os.geteuid(),\n"
+            "      'groups': os.getgroups(), 'caps': status['CapEff'].strip(),\n"
+            "      'bounding': status['CapBnd'].strip(), 'nnp': status['NoNewPrivs'].strip(),\n"
+            "      'cwd_owner': os.stat('.').st_uid}), flush=True)\n"
+        ))
+        result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
+    finally:
+        secret.unlink()
+    [line] = [line for line in out.splitlines() if line.startswith("PROBE ")]
+    probe = json.loads(line[len("PROBE "):])
+    assert probe["read"] == [], probe
+    assert probe["uid"] == probe["euid"] == probe["cwd_owner"] == uid_lab.uid
+    assert probe["groups"] in ([], [uid_lab.uid])
+    assert int(probe["caps"], 16) == 0 and int(probe["bounding"], 16) == 0 and probe["nnp"] == "1"
+    assert result["status"] == "failed"
+
+
+@needs_root
+def test_uid_mode_refuses_when_the_candidate_could_read_the_harness(bench, uid_lab, tmp_path):
+    if stat.S_IMODE(BENCH.stat().st_mode) & 0o005 != 0o005:
+        pytest.skip(f"{BENCH} is not readable by other users here")
+    ran = tmp_path / "ran"
+    candidate = write(tmp_path / "candidate" / "train.py", f"open({str(ran)!r}, 'w')\n")
+    done = run_py(BENCH, uid_lab.cache, "--candidate", candidate, "--result", tmp_path / "r.json",
+                  "--source", "synthetic", "--sandbox", "uid", "--termination-log", tmp_path / "t",
+                  AUTOLAB_SANDBOX_UID=str(uid_lab.uid))
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert done.returncode == 4 and result["reason_code"] == "SandboxUnavailable"
+    assert f"uid {uid_lab.uid} could read {BENCH}" in result["reason"]
+    assert not ran.exists()
