@@ -30,7 +30,7 @@ from typing import Callable
 import yaml
 from filelock import FileLock
 
-from controller.backends import RunRequest
+from controller.backends import BackendConfigError, RunRequest
 from controller.backends.local import LocalBackend, visible_slots
 from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Event,
                                        RunObservation, World, allocate_slots,
@@ -369,6 +369,8 @@ class LocalLab:
         """
         try:
             decision = self.reconcile_one(name, sf, slot=slot, deleting=deleting)
+        except BackendConfigError:
+            raise  # the lab's, not this experiment's: stop and say what to set
         except Exception as e:  # isolation is the point: whatever it is, it is this one's
             try:
                 self.read_record(name)

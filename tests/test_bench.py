@@ -225,6 +225,21 @@ def published(cache: Path) -> list[Path]:
     return [p for p in (cache / "data").iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
+def test_the_synthetic_validation_text_is_secret_to_its_cache(bench, tmp_path, monkeypatch):
+    """Code that cannot read the cache cannot regenerate the synthetic validation split."""
+    ours = bench.prepare.prepare("synthetic")
+    monkeypatch.setenv("AUTOLAB_CACHE", str(tmp_path / "elsewhere"))  # what a sandboxed candidate has
+    theirs = bench.prepare.prepare("synthetic")
+    assert (tmp_path / "elsewhere" / "synthetic.seed").stat().st_mode & 0o077 == 0
+    seed = (bench.cache / "synthetic.seed").read_text().strip()
+    assert not np.array_equal(ours.tokens("val")[:4096], theirs.tokens("val")[:4096])
+    assert np.array_equal(ours.tokens("train")[:4096], theirs.tokens("train")[:4096])  # public, like the Hub's
+    assert seed not in json.dumps(ours.manifest) and seed not in str(ours.path)
+    monkeypatch.setenv("AUTOLAB_SYNTHETIC_SEED", seed)  # a lab's seed, handed to a job that prepares its own
+    again = bench.prepare.prepare("synthetic")
+    assert np.array_equal(ours.tokens("val"), again.tokens("val"))
+
+
 def test_a_prepare_killed_halfway_is_rebuilt_not_used(bench, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     killed = subprocess.run([sys.executable, str(BENCH / "prepare.py"), "--source", "synthetic"],

@@ -109,11 +109,14 @@ def test_experiment_becomes_one_job_with_its_flavor_labels_read_only_bucket_and_
                               "autolab-lab-id": lab.repo.master_doc()["history"][0]["commit"][:12]}
     assert body["volumes"] == [{"type": "bucket", "source": "alice/autolab-cache",
                                 "mountPath": "/autolab-data", "readOnly": True}]
-    assert set(body["secrets"]) == {"AUTOLAB_RESULT_KEY"}  # no HF token for candidate code
+    # No HF token for candidate code; the synthetic validation seed is the lab's, the same for every job.
+    assert set(body["secrets"]) == {"AUTOLAB_RESULT_KEY", "AUTOLAB_SYNTHETIC_SEED"}
+    assert body["secrets"]["AUTOLAB_SYNTHETIC_SEED"] == (lab.root / ".autolab" / "synthetic.seed").read_text().strip()
+    assert body["secrets"]["AUTOLAB_SYNTHETIC_SEED"] not in json.dumps(body["environment"] if "environment" in body else {})
     assert server.hits("POST", "/api/jobs/alice") and job.namespace == "alice"
     files = shipped_files(job)
     assert files["bench/train.py"].decode() == candidate
-    assert files["bench/prepare.py"] == (lab.root / "bench" / "prepare.py").read_bytes()
+    assert files["bench/prepare.py"] == (lab.root / "bench" / "prepare.py").read_bytes()  # pinned = lab's first
     assert {"bench/run.py", "bench/evaluate.py", "bench/hf_entry.py"} <= set(files)
     assert body["command"][:2] == ["python3", "-c"] and "--with" in body["command"]
     assert TOKEN not in json.dumps(body)
@@ -275,3 +278,13 @@ async def test_in_a_cluster_the_token_comes_from_the_secret_the_lab_names(kmock)
     with pytest.raises(HfBackendError, match="has no key HF_TOKEN; create it with `kubectl -n "
                                              "autolab create secret generic wrong-key"):
         await asyncio.to_thread(token_from_secret, "wrong-key", "autolab", core)
+
+
+def test_jobs_ship_the_pinned_harness_not_the_labs_editable_bench(server, tmp_path):
+    lab = make_lab(tmp_path / "lab")
+    original = (lab.root / "bench" / "prepare.py").read_bytes()
+    (lab.root / "bench" / "prepare.py").write_bytes(original + b"\nevaluate_bpb = lambda *a, **k: 0.0\n")
+    files = lab.backend_for("hf").bench_files("print('candidate')\n")
+    assert files["bench/prepare.py"] == original
+    assert files["bench/train.py"] == b"print('candidate')\n"
+    assert {"bench/run.py", "bench/evaluate.py", "bench/sandbox.py", "bench/hf_entry.py"} <= set(files)

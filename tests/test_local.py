@@ -216,3 +216,32 @@ def test_a_broken_spec_file_is_named_and_the_others_still_run(tmp_path, capsys):
     summary = lab.step()
     assert any("oops.yaml: metadata.name: required field is missing" in e for e in summary.errors)
     assert _phase(lab.root, "prep") == "Duplicate"
+
+
+def test_without_a_sandbox_run_refuses_unless_told_and_then_every_status_says_so(tmp_path):
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab.repo.set_master_metric(9.9)
+    lab.apply_file(spec_from_edit(lab, "plain", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.45",
+                                  "A slightly shorter warmdown."), "test")
+    bare = tmp_path / "bin"  # a PATH with git and Python but no bubblewrap
+    bare.mkdir()
+    for tool in ("git", "setpriv"):
+        (bare / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
+    env = dict(os.environ, PATH=str(bare), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    refused = subprocess.run(AUTOLAB + ["run", "--lab", str(lab.root)], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "bubblewrap" in refused.stderr and "--unsafe-no-sandbox" in refused.stderr
+    assert _phase(lab.root, "plain") in (None, "Pending", "Queued")  # nothing ran
+    assert not (lab.root / ".autolab" / "runs" / "exp-plain-1").exists()
+
+    told = subprocess.run(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2", "--unsafe-no-sandbox"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert told.returncode == 0, told.stderr
+    assert "WITHOUT a sandbox" in told.stdout + told.stderr
+    status = records(lab.root)["plain"]["status"]
+    assert status["job"]["worker"].endswith(":UNSANDBOXED")
+    row = [r for r in Ledger(lab.root / "research" / "results.tsv").rows() if r["run_id"] == "exp-plain-1"]
+    assert row and row[0]["worker_id"].endswith(":UNSANDBOXED")
+    result = json.loads((lab.root / ".autolab" / "runs" / "exp-plain-1" / "result.json").read_text())
+    assert result["sandbox"] == "none"

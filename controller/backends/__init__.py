@@ -13,6 +13,12 @@ from typing import Protocol
 from controller.core.reconcile import RunObservation
 
 
+class BackendConfigError(Exception):
+    """The lab's settings for a backend cannot work (no token, data it cannot reach): every
+    run on it would fail the same way, so the loop stops and the message says what to set,
+    instead of recording it against one experiment after another."""
+
+
 @dataclass(frozen=True)
 class RunRequest:
     """Everything a backend needs to start one run of the bench harness."""

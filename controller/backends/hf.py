@@ -67,10 +67,13 @@ from huggingface_hub import HfApi, Volume
 from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError
 from huggingface_hub.utils import get_token
 
-from controller.backends import RunRequest
+from controller.backends import BackendConfigError, RunRequest
+from controller.backends.local import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec, SpecError
 from controller.labrepo import atomic_write
+
+SYNTHETIC_SEED_ENV = "AUTOLAB_SYNTHETIC_SEED"  # bench/prepare.py reads it (a job secret, never the candidate's)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINT = REPO_ROOT / "bench" / "hf_entry.py"
@@ -113,7 +116,7 @@ BOOTSTRAP = (
 )
 
 
-class HfBackendError(SpecError):
+class HfBackendError(SpecError, BackendConfigError):
     """The lab's Hugging Face settings cannot work; the message says what to set."""
 
 
@@ -348,11 +351,10 @@ class HfBackend:
 
     # -- the job spec ------------------------------------------------------------------------------
     def bench_files(self, candidate_source: str) -> dict[str, bytes]:
-        """What the job needs: the lab's harness, the candidate as the surface, the entry point."""
-        bench = self.root / Path(self.lab.harness).parent
-        surface = Path(self.lab.surface).name
-        files = {f"bench/{p.name}": p.read_bytes() for p in sorted(bench.glob("*.py"))
-                 if p.name != surface}
+        """What the job needs: the pinned harness (the lab's first commit's, never its editable
+        bench/), the candidate as the surface, the entry point."""
+        pinned = pinned_harness(self.root)
+        files = {f"bench/{name}": (pinned / name).read_bytes() for name in HARNESS_FILES}
         files["bench/train.py"] = candidate_source.encode()  # the name the entry point runs
         files["bench/hf_entry.py"] = ENTRY_POINT.read_bytes()
         return files
@@ -386,10 +388,26 @@ class HfBackend:
         role = "baseline" if req.experiment == "baseline" else "run"
         return dict(image=settings.image, command=command,
                     env={BUNDLE_ENV: bundle, "PYTHONUNBUFFERED": "1"},
-                    secrets={KEY_SECRET: key.decode()}, flavor=settings.flavor,
+                    secrets={KEY_SECRET: key.decode(), **self.synthetic_secret(req.data)}, flavor=settings.flavor,
                     timeout=settings.timeout, name=req.run,
                     labels=self.labels(req.run, req.experiment, req.campaign, role),
                     volumes=volumes, namespace=namespace)
+
+    def synthetic_secret(self, data: str) -> dict[str, str]:
+        """For synthetic data, the lab's secret validation seed (bench/prepare.py synthetic_seed),
+        so every job of the lab scores the same validation text and no candidate can regenerate it."""
+        if data != "synthetic":
+            return {}
+        path = self.root / ".autolab" / "synthetic.seed"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_hex(16) + "\n")
+            except FileExistsError:
+                pass
+        return {SYNTHETIC_SEED_ENV: path.read_text().strip()}
 
     # -- the Backend seam --------------------------------------------------------------------------
     def submit(self, req: RunRequest) -> RunObservation:
@@ -618,8 +636,8 @@ class HfBackend:
         if source.startswith("dir:"):
             raise HfBackendError(f"{source} is a path on this machine; a job cannot read it "
                                  "(use hub or synthetic)")
-        files = {f"bench/{p.name}": p.read_bytes()
-                 for p in sorted((self.root / Path(self.lab.harness).parent).glob("*.py"))}
+        pinned = pinned_harness(self.root)
+        files = {f"bench/{name}": (pinned / name).read_bytes() for name in HARNESS_FILES}
         files["bench/hf_entry.py"] = ENTRY_POINT.read_bytes()
         command = ["python3", "-c", BOOTSTRAP, "prepare", "--profile", self.lab.profile,
                    "--source", source, "--data-mount", DATA_MOUNT]

@@ -104,6 +104,33 @@ class HarnessError(RuntimeError):
     pass
 
 
+def pinned_harness(root: Path) -> Path:
+    """The harness the lab was made with: `.autolab/harness/<commit>/`, written from the git
+    blobs of the lab's first commit and checked against them (blob ids) on every call. Runs on
+    every backend use it, never the lab's editable bench/."""
+    out = _git(root, "rev-list", "--max-parents=0", "autolab/master")
+    roots = out.stdout.decode().split()
+    if out.returncode != 0 or not roots:
+        raise HarnessError(f"{root}: cannot find the lab's first commit ({out.stderr.decode().strip()})")
+    commit = roots[-1]
+    pinned = root / ".autolab" / "harness" / commit[:12]
+    for name in HARNESS_FILES:
+        want = _git(root, "rev-parse", f"{commit}:bench/{name}")
+        if want.returncode != 0:
+            raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "
+                               "lab was made by an older autolab; make a new one with `autolab init`")
+        blob = want.stdout.decode().strip()
+        path = pinned / name
+        if path.is_file() and _blob_id(path.read_bytes()) == blob:
+            continue
+        data = _git(root, "cat-file", "blob", blob).stdout
+        if _blob_id(data) != blob:
+            raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
+        pinned.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data.decode("utf-8"))
+    return pinned
+
+
 class LocalBackend:
     name = "local"
 
@@ -121,35 +148,9 @@ class LocalBackend:
         return self.run_dir(run) / "log.txt"
 
     # -- the pinned harness --------------------------------------------------------------------
-    def _pin_commit(self) -> str:
-        """The lab's first commit: the harness it was made with."""
-        out = _git(self.root, "rev-list", "--max-parents=0", "autolab/master")
-        roots = out.stdout.decode().split()
-        if out.returncode != 0 or not roots:
-            raise HarnessError(f"{self.root}: cannot find the lab's first commit "
-                               f"({out.stderr.decode().strip()})")
-        return roots[-1]
-
     def harness(self) -> Path:
-        """The pinned harness directory, written from git and checked against it."""
-        commit = self._pin_commit()
-        pinned = self.root / ".autolab" / "harness" / commit[:12]
-        for name in HARNESS_FILES:
-            want = _git(self.root, "rev-parse", f"{commit}:bench/{name}")
-            if want.returncode != 0:
-                raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "
-                                   "lab was made by an older autolab; make a new one with "
-                                   "`autolab init`")
-            blob = want.stdout.decode().strip()
-            path = pinned / name
-            if path.is_file() and _blob_id(path.read_bytes()) == blob:
-                continue
-            data = _git(self.root, "cat-file", "blob", blob).stdout
-            if _blob_id(data) != blob:
-                raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
-            pinned.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, data.decode("utf-8"))
-        return pinned
+        """The pinned harness directory (see pinned_harness)."""
+        return pinned_harness(self.root)
 
     def sandbox_problem(self) -> str | None:
         """None if this machine can sandbox candidates (the pinned harness asks bubblewrap)."""
@@ -219,7 +220,7 @@ class LocalBackend:
             "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
             "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe}) + "\n")
         return RunObservation(req.run, "running", job_id=str(proc.pid),
-                              worker=f"local:{os.uname().nodename}:{req.slot}")
+                              worker=f"local:{os.uname().nodename}:{req.slot}" + (":UNSANDBOXED" if unsafe else ""))
 
     def _judge(self, run: str, launch: dict) -> dict:
         """The result of a run that has ended, as far as the controller believes it."""
@@ -267,6 +268,8 @@ class LocalBackend:
         if (d / "launch.json").exists():
             launch = json.loads((d / "launch.json").read_text())
         worker = f"local:{os.uname().nodename}:{launch.get('slot')}"
+        if launch.get("sandbox") is False:  # every status and the ledger row say so
+            worker += ":UNSANDBOXED"
         job_id = str(launch.get("pid", ""))
         if launch.get("start") and _start_ticks(launch["pid"]) == launch["start"]:
             return RunObservation(run, "running", job_id=job_id, worker=worker)  # no peeking
