@@ -48,14 +48,18 @@ the candidate made that it reads, and it treats it as hostile:
    from os.urandom; cuts are drawn as shuffled sweeps over 1..T so every
    position is a cut once the rows outnumber it), the tokens from c on are
    replaced with real validation text from elsewhere in the stream (its
-   first token differs from the original), and the rows are shuffled. The
+   first token differs from the original), one row per batch is left whole
+   (every position of it checked while only its neighbours change), and the
+   rows are shuffled. The
    log-probabilities of each row before its cut must not move by more than
    CAUSALITY_TOLERANCE; otherwise reason_code NotCausal, naming the batch,
    row, window and position. A model that reads token t+1 at position t is
    caught in a row whose cut is t+1; reading other rows is caught because
    the neighbours change. Together with the refusal of mutable state this
    leaves no calls, rows or positions where cheating goes unchecked, only
-   positions that happen not to be cut: a peek at one position in every row
+   positions that happen not to be cut (where the scored rows are fewer than
+   T, as in the tiny profile, each batch gets as many perturbed copies as
+   it takes for the cuts to sweep every position): a peek at one position in every row
    survives with probability (1 - 1/T)^rows, zero once rows >= T (the
    default profile scores 5120 rows of 2048).
 
@@ -509,9 +513,10 @@ class CausalityProbe:
     `evaluate_bpb` calls it as probe(k, windows, x, logits) after scoring batch k.
     """
 
-    def __init__(self, model, tokens, tolerance: float, seed: bytes) -> None:
+    def __init__(self, model, tokens, tolerance: float, seed: bytes, passes: int = 1) -> None:
         import numpy as np
 
+        self.passes = passes  # perturbed copies per batch: enough that the cuts sweep every position
         self.model = model
         self.tokens = tokens
         self.tolerance = tolerance
@@ -542,12 +547,20 @@ class CausalityProbe:
                 return perm
 
     def __call__(self, batch: int, windows: list[int], x, logits) -> None:
+        for _ in range(self.passes):
+            self._check(batch, windows, x, logits)
+
+    def _check(self, batch: int, windows: list[int], x, logits) -> None:
         import torch
 
         rows, seq_len = x.shape
         original = x.cpu()
         changed = original.clone()
-        cuts = [self._next_cut(seq_len) for _ in range(rows)]
+        # One row per batch stays whole (cut at the end): every position of it is compared while only
+        # the other rows change, so reading other rows is caught at any position, the last included.
+        # The others take the next cuts of the sweep.
+        whole = int(self.rng.integers(rows)) if rows > 1 else -1
+        cuts = [seq_len if r == whole else self._next_cut(seq_len) for r in range(rows)]
         for r, cut in enumerate(cuts):
             if cut < seq_len:
                 changed[r, cut:] = torch.from_numpy(self._other_text(seq_len - cut, int(original[r, cut])))
@@ -626,8 +639,11 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     except Exception as e:
         raise refuse(f"{type(e).__name__}: {e}") from e
     device = prepare._model_device(model)
+    windows = max(1, min(prepare.EVAL_TOKENS, len(tokens) - 1) // prepare.MAX_SEQ_LEN)
+    batch = prepare.EVAL_BATCH_SIZE
+    cuts_per_pass = -(-windows // batch) * max(1, batch - 1)  # one row of each batch stays whole
     probe = CausalityProbe(model, tokens, CAUSALITY_TOLERANCE.get(device.type, CAUSALITY_TOLERANCE["cuda"]),
-                           seed or os.urandom(16))
+                           seed or os.urandom(16), passes=-(-prepare.MAX_SEQ_LEN // cuts_per_pass))
     before = snapshot(model)
     t0 = time.time()
     try:

@@ -145,6 +145,10 @@ RECORD_LIMIT_BYTES = 2**16  # the train phase's record, the staged data's record
 KEY_LIMIT_BYTES = 256
 
 PHASES = ("all", "stage", "train", "evaluate")
+EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidate, when stats.json is late
+# Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
+# (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
+MAX_FILE_BYTES = {"tiny": 256 * 2**20, "default": 4 * 2**30}
 SANDBOX_MODES = ("auto", "bwrap", "uid", "isolated", "container", "none")
 UNSANDBOXED = ("container", "none")  # the candidate runs as the harness's own user
 STAGED_RECORD = "data.json"  # in --train-data, next to train.bin
@@ -314,6 +318,7 @@ class Watch:
     def __init__(self) -> None:
         self.rc: int | None = None
         self.killed: str | None = None  # why the harness killed it
+        self.stopped_at_export = False  # stopped by the harness once its first export after `done` appeared
         self.started = self.ended = 0.0
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.namespace: str | None = None
@@ -323,11 +328,15 @@ class Watch:
 def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds: tuple[int, ...],
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
-                   reap: Any = None) -> Watch:
+                   reap: Any = None, export_dir: Path | None = None) -> Watch:
     """Start argv, stream its output, enforce the deadlines; returns when it has exited.
 
     reap(), if given, runs once the first process has exited and before the rest of its output
     is awaited: a process it left may hold the output pipe open (uid mode kills them there).
+
+    The first export after `done` is the one measured: once model.pt2 appears in export_dir (and
+    stats.json, or EXPORT_SETTLE seconds later) the candidate is stopped, so it cannot train on
+    read-ahead batches and export again, nor rewrite the file it exported.
     """
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
@@ -357,6 +366,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
         except (ValueError, KeyError, TypeError):
             w.namespace = None
     train_limit = budget + budget_slack(budget)
+    exported_at = None
     while proc.poll() is None:
         now = time.monotonic()
         if server.first is None and now - w.started > startup:
@@ -366,7 +376,13 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
             w.killed = f"it trained past its budget of {budget:g}s (+{budget_slack(budget):.1f}s slack)"
         elif server.done is not None and now - server.done > export:
             w.killed = f"it ran {export:g}s past the end of training (the export allowance)"
-        if w.killed:
+        elif server.done is not None and export_dir is not None:
+            if exported_at is None and os.path.lexists(export_dir / "model.pt2"):
+                exported_at = now
+            if exported_at is not None and (os.path.lexists(export_dir / "stats.json")
+                                            or now - exported_at > EXPORT_SETTLE):
+                w.stopped_at_export = True
+        if w.killed or w.stopped_at_export:
             _kill(proc)
             break
         try:
@@ -375,7 +391,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
             pass
     proc.wait()
     w.ended = time.monotonic()
-    w.rc = proc.returncode
+    w.rc = 0 if w.stopped_at_export else proc.returncode
     if reap is not None:
         reap()
     reader.join(timeout=5.0)
@@ -728,7 +744,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     env[prepare.DATA_FD_ENV] = str(theirs.fileno())
     seed = 0  # every candidate sees the same stream: differences are the program's, not the data order's
     server = DataServer(tokens, ours, seed).start()
-    limits = sandbox.Limits(address_space=None if gpu else _memory_limit())
+    limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
+                            fsize=MAX_FILE_BYTES.get(prepare.PROFILE, sandbox.Limits.fsize))
     python = [sys.executable, "-s", "-P", "train.py"]
     info_r = info_w = None
     if sandboxed:
@@ -747,7 +764,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         w = _run_sandboxed(argv, cwd=scratch, env=env, pass_fds=(theirs.fileno(),), server=server,
                            budget=budget, startup=startup, export=export, log=log, limits=limits,
                            info_fd=info_w, info_r=info_r,
-                           reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None)
+                           reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
+                           export_dir=scratch / "export")
     finally:
         theirs.close()
     if info_r is not None:
@@ -755,6 +773,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     ours.close()
     server.thread.join(timeout=5.0)
     result["exit_code"] = w.rc
+    if w.stopped_at_export:
+        log.harness("model exported; the candidate was stopped there (the first export after training is measured)")
     if log.dropped:
         log.harness(f"{log.dropped} more lines of output were not kept (log limit {LOG_LIMIT_BYTES} bytes)")
     if mode == "uid":

@@ -359,6 +359,78 @@ def test_an_exported_model_that_peeks_at_the_next_token_fails(bench, tmp_path):
     assert "not causal" in result["reason"]
 
 
+def test_a_model_that_peeks_at_one_position_only_fails(bench, tmp_path):
+    """The tiny profile scores fewer rows than positions; the cuts must still reach every one."""
+    candidate = write_candidate(tmp_path, (
+        "import torch, prepare\n"
+        "class Peek(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.scale = torch.nn.Parameter(torch.tensor(30.0))\n"
+        "        mask = torch.zeros(prepare.MAX_SEQ_LEN)\n"
+        "        mask[173] = 1.0  # one position of every row\n"
+        "        self.register_buffer('mask', mask, persistent=False)\n"
+        "    def forward(self, idx):\n"
+        "        nxt = torch.roll(idx, -1, dims=1)\n"
+        "        return self.scale * torch.nn.functional.one_hot(nxt, prepare.VOCAB_SIZE).float() * self.mask[None, :, None]\n"
+        "next(prepare.make_loader('train', 1, 8))\n"
+        "prepare.export_model(Peek(), {'num_steps': 0})\n"
+    ))
+    result = harness(bench, candidate, tmp_path)
+    assert result["status"] == "failed" and result["reason_code"] == "NotCausal", result["reason"]
+
+
+UNIFORM = (
+    "import sys, time, torch, prepare\n"
+    "class Flat(torch.nn.Module):  # the same logits everywhere: val_bpb = ln(V) per token\n"
+    "    def __init__(self, bias):\n"
+    "        super().__init__()\n"
+    "        self.bias = torch.nn.Parameter(bias)\n"
+    "    def forward(self, idx):\n"
+    "        return self.bias.expand(idx.shape[0], idx.shape[1], prepare.VOCAB_SIZE)\n"
+)
+
+
+def test_the_first_export_after_training_is_the_one_measured(bench, tmp_path):
+    candidate = write_candidate(tmp_path, UNIFORM + (
+        "loader = prepare.make_loader('train', 8, 64)\n"
+        "buffered = [next(loader) for _ in range(20)]\n"
+        "prepare.export_model(Flat(torch.zeros(prepare.VOCAB_SIZE)), {})  # 'done': the clock stops\n"
+        "counts = torch.ones(prepare.VOCAB_SIZE)\n"
+        "for x, y in buffered:  # 'training' after done, on batches read ahead\n"
+        "    counts += torch.bincount(y.flatten(), minlength=prepare.VOCAB_SIZE)\n"
+        "time.sleep(1.5)\n"
+        "prepare.export_model(Flat(counts.log()), {})\n"
+        "print('EXPORTED-TWICE', flush=True)\n"
+    ))
+    result = harness(bench, candidate, tmp_path)
+    assert result["status"] == "succeeded", result["reason"]
+    data = bench.prepare.prepare("synthetic")
+    import torch
+    flat = bench.prepare.evaluate_bpb(lambda idx: torch.zeros(idx.shape[0], idx.shape[1], bench.prepare.VOCAB_SIZE),
+                                      tokens=data.tokens("val"), token_bytes=data.token_bytes())
+    assert result["metrics"]["val_bpb"] == pytest.approx(flat, rel=1e-6)  # the untrained first export
+    log = (tmp_path / "run.log").read_text()
+    assert "EXPORTED-TWICE" not in log and "the candidate was stopped there" in log
+
+
+def test_a_candidate_cannot_write_a_file_past_its_size_limit(bench, tmp_path):
+    candidate = write_candidate(tmp_path, (
+        "import signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "try:\n"
+        "    with open('big', 'wb') as f:\n"
+        "        for _ in range(300):\n"
+        "            f.write(bytes(2**20))\n"
+        "    print('WROTE-300-MIB', flush=True)\n"
+        "except OSError as e:\n"
+        "    print('REFUSED', e.errno, flush=True)\n"
+    ))
+    harness(bench, candidate, tmp_path)
+    log = (tmp_path / "run.log").read_text()
+    assert "REFUSED 27" in log and "WROTE-300-MIB" not in log  # EFBIG at the tiny profile's 256 MiB
+
+
 def test_a_candidate_that_edits_the_harness_is_void(bench, tmp_path):
     copy = tmp_path / "bench"
     shutil.copytree(BENCH, copy, ignore=shutil.ignore_patterns("__pycache__"))
