@@ -19,13 +19,14 @@ COPY controller/ controller/
 COPY bench/ bench/
 COPY research/templates/ research/templates/
 RUN pip install --no-cache-dir --no-deps -e . \
- && python -c "import controller.operator, kopf, kubernetes"
+ && python -c "import controller.cli.operator, controller.operator, kopf, kubernetes"
 
 USER 10001
 ENV PYTHONUNBUFFERED=1 \
     AUTOLAB_LAB_DIR=/var/lib/autolab
 EXPOSE 8080
-# kopf's own runner with our handlers; flags (namespace, peering, liveness) come from the
-# Deployment's args (manifests/operator.yaml). `autolab operator` is the same for people.
-ENTRYPOINT ["kopf", "run", "-m", "controller.operator"]
+# The operator's own entry point (kopf underneath, the handlers registered explicitly); flags
+# (namespace, peering, liveness) come from the Deployment's args (manifests/operator.yaml).
+# `autolab operator` takes the same flags.
+ENTRYPOINT ["python", "-m", "controller.cli.operator"]
 CMD ["--namespace=autolab", "--peering=autolab", "--liveness=http://0.0.0.0:8080/healthz"]

@@ -39,12 +39,12 @@ from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Ev
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
 from controller.core.spec import ExperimentSpec, LabSpec, SpecError, trackable, validate_document
-from controller.labrepo import LabRepo, atomic_write, recorded_duplicate
-from controller.ledger import Ledger
-from controller.memory import memory_hook
-from controller.tracking import tracking_hook
+from controller.lab.repo import LabRepo, atomic_write, recorded_duplicate
+from controller.lab.ledger import Ledger
+from controller.lab.paths import LAB_FILE
+from controller.lab.memory import memory_hook
+from controller.lab.tracking import tracking_hook
 
-LAB_FILE = "lab.yaml"
 SPEC_SUFFIXES = (".yaml", ".yml")
 LOCAL_BACKENDS = ("local", "hf")  # what the local loop can run
 

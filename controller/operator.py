@@ -28,12 +28,12 @@ goes when `reconcile` says `finalized`. Jobs and Pods the operator creates
 carry ownerReferences and the `app.kubernetes.io/managed-by=autolab` label,
 and the operator watches only those.
 
-Run it with `autolab operator` (see `--help`), or as `kopf run -m
-controller.operator` (what the Deployment does: the image then needs neither
-torch nor the CLI's extras) with its settings in the environment:
-AUTOLAB_LAB_DIR, AUTOLAB_RESYNC_SECONDS, AUTOLAB_RUN_IMAGE, AUTOLAB_KUBE_SERVER,
-AUTOLAB_KOPF_SCANNING=0. Importing this module is cheap: kopf and the
-Kubernetes client load only when an operator starts.
+Run it with `autolab operator` (see `--help`), or `python -m
+controller.cli.operator` (what the Deployment does: the same flags, and the
+image needs neither torch nor the other commands' extras). Importing this
+module registers nothing and is cheap: kopf and the Kubernetes client load
+only when an operator starts, and `register()` puts the handlers into the
+registry it is given.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import datetime as _dt
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -62,9 +61,9 @@ from controller.core.spec import (API_VERSION, GROUP, VERSION, ExperimentSpec, L
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes import KubernetesBackend
-    from controller.cluster import Kube, MasterRecord, MasterStore, SlotBook
-    from controller.labrepo import LabRepo
-    from controller.ledger import Ledger
+    from controller.kube.cluster import Kube, MasterRecord, MasterStore, SlotBook
+    from controller.lab.repo import LabRepo
+    from controller.lab.ledger import Ledger
 
 log = logging.getLogger("autolab.operator")
 
@@ -84,7 +83,7 @@ def utcnow() -> str:
 
 @dataclass
 class OperatorConfig:
-    """How this operator runs. `from_env` reads what `kopf run -m controller.operator` can't pass."""
+    """How this operator runs (`from_env`: from AUTOLAB_* variables)."""
 
     lab_root: Path = Path("/var/lib/autolab")
     resync_seconds: float = 30.0   # timer of runs in flight and of Labs
@@ -133,7 +132,7 @@ class LabRuntime:
 
     def __init__(self, op: "Operator", namespace: str, lab_obj: dict):
         from controller.backends.kubernetes import KubernetesBackend
-        from controller.cluster import MasterStore, SlotBook
+        from controller.kube.cluster import MasterStore, SlotBook
 
         self.op = op
         self.namespace = namespace
@@ -161,14 +160,14 @@ class LabRuntime:
         return self.spec
 
     def _open(self) -> tuple["LabRepo", "Ledger"]:
-        from controller.cli import init_lab
-        from controller.labrepo import LabRepo
-        from controller.ledger import Ledger
-        from controller.local import LAB_FILE
+        from controller.lab.init import make_lab
+        from controller.lab.ledger import Ledger
+        from controller.lab.paths import LAB_FILE
+        from controller.lab.repo import LabRepo
 
         if not (self.root / LAB_FILE).exists():
             log.info("creating the lab repo of %s in %s", self.name, self.root)
-            init_lab(self.root, profile=self.spec.profile, data=self.spec.data, name=self.name,
+            make_lab(self.root, profile=self.spec.profile, data=self.spec.data, name=self.name,
                      budget=self.spec.budget_seconds)
         repo = LabRepo(self.root, self.spec)
         return repo, Ledger(self.root / "research" / "results.tsv")
@@ -184,7 +183,7 @@ class LabRuntime:
 
     def sync(self) -> "MasterRecord":
         """The master ConfigMap (created if missing), with the lab repo brought in step."""
-        from controller.cluster import sync_repo_master
+        from controller.kube.cluster import sync_repo_master
 
         with self.lock:
             rec = self.store.ensure(self.repo)
@@ -213,7 +212,7 @@ class LabRuntime:
         return json.loads(p.read_text()) if p.exists() else None
 
     def keep_checked_spec(self, uid: str, spec: dict) -> None:
-        from controller.labrepo import atomic_write
+        from controller.lab.repo import atomic_write
 
         atomic_write(self._spec_path(uid), json.dumps(spec, sort_keys=True) + "\n")
 
@@ -232,7 +231,7 @@ class LabRuntime:
                         "(or hf)")
 
     def duplicate_of(self, name: str, c: Candidate) -> str | None:
-        from controller.labrepo import recorded_duplicate
+        from controller.lab.repo import recorded_duplicate
         hit = recorded_duplicate(self.repo, self.ledger, name, c)
         if hit or c.refusal:
             return hit
@@ -274,7 +273,7 @@ class Operator:
         if self.kube is None:
             from kubernetes import client, config as kconfig
 
-            from controller.cluster import Kube
+            from controller.kube.cluster import Kube
 
             cfg = client.Configuration()
             if self.config.server:
@@ -494,7 +493,7 @@ class Operator:
                 a: dict) -> RunObservation:
         from controller.backends import RunRequest
         from controller.backends.kubernetes import KubernetesBackend
-        from controller.cluster import owner_reference
+        from controller.kube.cluster import owner_reference
 
         assert spec is not None
         name = obj["metadata"]["name"]
@@ -531,7 +530,7 @@ class Operator:
     def _baseline(self, rt: LabRuntime, rec: "MasterRecord") -> None:
         """Measure a master nobody has measured: one Job, through the core's reconcile_baseline."""
         from controller.backends import RunRequest
-        from controller.cluster import owner_reference
+        from controller.kube.cluster import owner_reference
 
         m = rec.master()
         if m.val_bpb is not None:
@@ -777,7 +776,7 @@ class Operator:
 
     def run_changed(self, type: str | None, body: Any, namespace: str, **_: Any) -> None:
         """A Job or Pod of ours changed: pass over its Experiment (or its Lab, for a baseline)."""
-        from controller.cluster import LABEL_BASELINE, LABEL_EXPERIMENT, LABEL_LAB
+        from controller.kube.cluster import LABEL_BASELINE, LABEL_EXPERIMENT, LABEL_LAB
 
         if type is None or (type == "ADDED" and body.get("kind") == "Job"):
             return  # the initial listing (resume covers it), or a Job we just created
@@ -880,81 +879,3 @@ def register(op: Operator, registry: Any, login: bool = True) -> Any:
     kopf.on.event("v1", "pods", id="pod-changed", labels=ours,
                   registry=registry)(op.run_changed)
     return registry
-
-
-# --- `autolab operator` ---------------------------------------------------------------------------
-
-def _default_namespace() -> str:
-    env = os.environ.get("AUTOLAB_NAMESPACE") or os.environ.get("POD_NAMESPACE")
-    if env:
-        return env
-    sa = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    return sa.read_text().strip() if sa.exists() else "autolab"
-
-
-def cmd_operator(a: Any) -> int:
-    import kopf
-
-    config = OperatorConfig(lab_root=Path(a.lab_dir), resync_seconds=a.resync,
-                            server=a.server, run_image=a.run_image,
-                            scanning=not a.no_scanning)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    op = Operator(config)
-    registry = register(op, kopf.OperatorRegistry())
-    # A peering name makes peering mandatory in kopf: name it only when there is peering.
-    kopf.run(registry=registry, namespaces=[a.namespace], standalone=a.standalone,
-             peering_name=None if a.standalone else a.peering, priority=a.priority,
-             liveness_endpoint=a.liveness)
-    return 0
-
-
-def register_cli(sub: Any, add: Callable[..., Any]) -> None:
-    sp = add("operator", cmd_operator, "run the Kubernetes operator: Experiments and Labs in one "
-                                       "namespace become Jobs, ledger rows and promotions",
-             lab=False)
-    sp.add_argument("--namespace", default=_default_namespace(),
-                    help="namespace to watch (default: $AUTOLAB_NAMESPACE, the pod's, or autolab)")
-    sp.add_argument("--lab-dir", default=os.environ.get("AUTOLAB_LAB_DIR", "/var/lib/autolab"),
-                    help="where lab repos and ledgers live, one directory per Lab "
-                         "(default: $AUTOLAB_LAB_DIR or /var/lib/autolab)")
-    sp.add_argument("--peering", default="autolab",
-                    help="KopfPeering object to coordinate replicas through (default: autolab)")
-    sp.add_argument("--standalone", action="store_true",
-                    help="no peering: only safe with exactly one operator")
-    sp.add_argument("--priority", type=int, default=0, help="peering priority")
-    sp.add_argument("--liveness", default=None, metavar="URL",
-                    help="serve kopf's health endpoint, e.g. http://0.0.0.0:8080/healthz")
-    sp.add_argument("--resync", type=float, default=float(os.environ.get(
-        "AUTOLAB_RESYNC_SECONDS", "30")), help="seconds between passes over runs in flight")
-    sp.add_argument("--run-image", default=os.environ.get("AUTOLAB_RUN_IMAGE"),
-                    help="run image for Labs that name none (default: $AUTOLAB_RUN_IMAGE)")
-    sp.add_argument("--server", default=os.environ.get("AUTOLAB_KUBE_SERVER"),
-                    help="plain-HTTP API server URL (an emulator: python -m controller.emulator); "
-                         "default: in-cluster config, else the kubeconfig")
-    sp.add_argument("--no-scanning", action="store_true",
-                    help="do not watch namespaces and CRDs (no ClusterRole needed; the CRDs must "
-                         "exist before the operator starts)")
-    sp.add_argument("-v", "--verbose", action="store_true")
-
-
-def _register_cli() -> None:
-    from controller import cli
-
-    cli.EXTRA_COMMANDS["controller.operator"] = register_cli
-
-
-_register_cli()
-
-
-def _started_by_kopf() -> bool:
-    argv0 = sys.argv[0] if sys.argv else ""
-    return "kopf" in sys.modules and (Path(argv0).name == "kopf"
-                                      or argv0.endswith(os.path.join("kopf", "__main__.py")))
-
-
-if _started_by_kopf():  # `kopf run -m controller.operator`: kopf's default registry and login
-    import kopf as _kopf
-
-    _config = OperatorConfig.from_env()
-    register(Operator(_config), _kopf.get_default_registry(), login=_config.server is not None)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import authoring, cli
-from controller.authoring import (RUNTIMES, kickoff_text, load_contracts, render,
+from controller.cli.lab import init_lab
+from controller.cli import authoring, main as cli
+from controller.cli.authoring import (RUNTIMES, kickoff_text, load_contracts, render,
                                   split_front_matter)
 from controller.core.spec import SpecError
 
@@ -165,7 +166,7 @@ def test_kickoff_never_runs_more_workers_than_gpu_slots(runtime, slots, cap, cap
 
 
 def test_kickoff_reports_the_lab_it_runs(tmp_path):
-    lab = cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     text = kickoff_text("claude", 1, lab=lab)
     assert f"master {lab.repo.master().hash[:12]}" in text
     assert "not measured yet" in text

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import cli, tracking
+from controller.cli.lab import init_lab
+from controller.cli import main as cli
+from controller.lab import tracking
 from controller.local import LocalLab
-from controller.report import progress
+from controller.lab.report import progress
 
 SURFACE = "bench/train.py"
 
@@ -77,7 +79,7 @@ def same_as_controller(lab, d, tmp, capsys, phase: str, reason: str) -> dict:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> LocalLab:
-    return cli.init_lab(tmp_path_factory.mktemp("checks") / "lab", profile="tiny",
+    return init_lab(tmp_path_factory.mktemp("checks") / "lab", profile="tiny",
                         data="synthetic")
 
 
@@ -178,7 +180,7 @@ def test_validate_refuses_to_reuse_a_name(lab, source, tmp_path, capsys):
 
 
 def test_validate_sees_a_stale_parent_rebase_or_conflict(tmp_path, capsys):
-    lab = cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     src = lab.repo.master_source()
     seed = lab.repo.master()
     # A master that moved on: the controller checks and promotes a winner (its metric is
@@ -213,7 +215,7 @@ def ran(tmp_path_factory) -> LocalLab:
     than the baseline: a regression, which must reach research/do-not-repeat.md.
     """
     root = tmp_path_factory.mktemp("ran") / "lab"
-    lab = cli.init_lab(root, profile="tiny", data="synthetic")
+    lab = init_lab(root, profile="tiny", data="synthetic")
     r = str(root)
     assert cli.main(["worktree", "frozen", "--lab", r]) == 0
     train = root / ".autolab" / "scratch" / "frozen" / SURFACE

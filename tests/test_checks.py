@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from controller.core.spec import LabSpec
-from controller.labrepo import LabRepo
+from controller.lab.repo import LabRepo
 
 SURFACE = '''"""A stand-in surface: the checks do not care what the program does."""
 LEARNING_RATE = 0.02  # peak learning rate

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from controller.core.spec import DIFF_MAX_BYTES, SpecError, validate_document
-from controller.crds import experiment_crd, lab_crd, render
+from controller.kube.crds import experiment_crd, lab_crd, render
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
@@ -88,7 +88,7 @@ def test_example_experiments_apply_to_the_current_master(tmp_path):
     """
     import os
 
-    from controller.cli import init_lab
+    from controller.cli.lab import init_lab
     from controller.core.spec import ExperimentSpec
 
     assert EXAMPLES, "manifests/examples/ has no Experiment"

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from controller.backends.hf import HfBackend, HfBackendError
-from controller.cli import init_lab
+from controller.cli.lab import init_lab
 from controller.core.spec import API_VERSION
 from controller.local import LocalLab
 from hf_server import FakeJobsServer, Script, genuine_result, harness_result, shipped_files, \

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import cli
-from controller.cli import init_lab
+from controller.cli import main as cli
+from controller.cli.lab import init_lab
 from controller.core.spec import API_VERSION
 from controller.local import LocalLab
 from hf_server import FakeJobsServer

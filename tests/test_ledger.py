@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import pytest
 
-from controller.ledger import COLUMNS, SEED_COLUMNS, Ledger, LedgerError
+from controller.lab.ledger import COLUMNS, SEED_COLUMNS, Ledger, LedgerError
 
 
 def row(run_id, status="succeeded", h="", s="", exp=None, **kw):

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli import init_lab, main
-from controller.demo import run_demo
-from controller.ledger import Ledger
+from controller.cli.lab import init_lab
+from controller.cli.main import main
+from controller.cli.demo import run_demo
+from controller.lab.ledger import Ledger
 from labkit import spec_from_edit
 
-AUTOLAB = [sys.executable, "-m", "controller.cli"]
+AUTOLAB = [sys.executable, "-m", "controller.cli.main"]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from controller import cli, memory
+from controller.cli.lab import init_lab
+from controller.cli import main as cli
+from controller.lab import memory
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
@@ -95,7 +97,7 @@ def test_people_may_annotate_and_nothing_is_written_twice(root):
 
 
 def test_a_failing_note_never_stops_the_controller_and_report_fills_it_in(tmp_path, capsys):
-    lab = cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     r, spec, status = row("lr-004")
     lab.ledger.append(r)
     lab.write_record("lr-004", {"spec": spec, "status": status})
@@ -113,7 +115,7 @@ def test_a_failing_note_never_stops_the_controller_and_report_fills_it_in(tmp_pa
 
 
 def test_the_labs_own_template_shapes_the_note(tmp_path):
-    lab = cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     assert (lab.root / "research" / "templates" / "experiment.md").exists()
     (lab.root / "research" / "templates" / "experiment.md").write_text(
         "## $name: $outcome ($delta)\n")

@@ -27,13 +27,13 @@ import yaml
 from kubernetes import client as k8s
 
 from controller.backends.local import result_signature
-from controller.cluster import sync_repo_master
+from controller.kube.cluster import sync_repo_master
 from controller.core.hashing import candidate_hash
 from controller.core.reconcile import baseline_run_name
-from controller.crds import render
-from controller.emulator import Emulator
-from controller.labrepo import LabRepo
-from controller.ledger import Ledger
+from controller.kube.crds import render
+from controller.kube.emulator import Emulator
+from controller.lab.repo import LabRepo
+from controller.lab.ledger import Ledger
 from controller.operator import Operator, OperatorConfig, register
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def result(val_bpb: float | None, status: str = "succeeded", reason: str = "") -
 
 def seed_lab(root: Path, val_bpb: float) -> None:
     """A lab repo whose master was measured already (`autolab init` + a baseline)."""
-    from controller.cli import init_lab
+    from controller.cli.lab import init_lab
 
     lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default")
     lab.repo.set_master_metric(val_bpb)
@@ -426,8 +426,8 @@ async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
 
 ENTRYPOINTS = {
     # The image's entrypoint (manifests/operator.yaml), configured from the environment.
-    "kopf run -m controller.operator": [sys.executable, "-m", "kopf", "run", "-m",
-                                        "controller.operator", "--standalone", f"--namespace={NS}"],
+    "python -m controller.cli.operator": [sys.executable, "-m", "controller.cli.operator",
+                                          "--standalone", f"--namespace={NS}"],
     # The command people run.
     "autolab operator": [str(Path(sys.executable).parent / "autolab"), "operator", "--standalone",
                          f"--namespace={NS}", "--no-scanning", "--resync=0.5"],
@@ -456,8 +456,8 @@ async def test_operator_entrypoints_serve_a_lab(cluster, entrypoint):
 
 def test_repo_follows_a_master_configmap_it_has_never_seen(tmp_path):
     """A fresh volume under an existing master ConfigMap: the repo adopts the ConfigMap's source."""
-    from controller.cli import init_lab
-    from controller.cluster import MasterRecord
+    from controller.cli.lab import init_lab
+    from controller.kube.cluster import MasterRecord
     from controller.core.hashing import semantic_hash
 
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")

@@ -7,11 +7,12 @@ import datetime as dt
 import matplotlib.image
 import pytest
 
-from controller import cli
+from controller.cli.lab import init_lab
+from controller.cli import main as cli
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
-from controller.report import build_report, plot_progress, progress
+from controller.lab.report import build_report, plot_progress, progress
 
 
 def row(name: str, status: str, val: float | None = None, promoted: bool = False,
@@ -55,7 +56,7 @@ def test_progress_chart_is_a_png(tmp_path):
 
 @pytest.fixture()
 def lab(tmp_path) -> LocalLab:
-    return cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    return init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
 
 
 def test_report_names_the_anomalies_that_waste_gpu_time(lab):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli import init_lab
+from controller.cli.lab import init_lab
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.failures import RECONCILE_ERROR, RECONCILED
 from controller.core.hashing import check_candidate_source
@@ -372,7 +372,7 @@ def test_operator_turns_a_known_failure_into_a_permanent_error_told_once(monkeyp
 
 
 def test_a_failed_pass_gives_back_the_slot_it_was_granted():
-    from controller.cluster import SlotBook
+    from controller.kube.cluster import SlotBook
     from controller.operator import Operator, OperatorConfig
 
     obj = {"metadata": {"name": "first", "namespace": "ns"},

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from controller import cli, tracking
+from controller.cli.lab import init_lab
+from controller.cli import main as cli
+from controller.lab import tracking
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
@@ -67,7 +69,7 @@ def finished(lab: LocalLab, name: str, val: float | None, curve: list | None,
 
 @pytest.fixture()
 def lab(tmp_path) -> LocalLab:
-    return cli.init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    return init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
 
 
 def test_each_run_becomes_one_trackio_run_with_config_curve_and_summary(lab):
@@ -116,7 +118,7 @@ def test_the_hook_tracks_a_run_and_respects_autolab_tracking_off(lab, monkeypatc
 
 def test_the_trackio_child_refuses_to_write_outside_the_lab(lab, tmp_path):
     env = dict(tracking.child_env(lab.root), TRACKIO_DIR=str(tmp_path / "elsewhere"))
-    proc = subprocess.run([sys.executable, "-m", "controller.tracking", "sync", str(lab.root),
+    proc = subprocess.run([sys.executable, "-m", "controller.lab.tracking", "sync", str(lab.root),
                            lab.name], env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "TRACKIO_DIR must be" in proc.stderr
     assert not (tmp_path / "elsewhere").exists()

@@ -24,9 +24,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from controller.cli import init_lab  # noqa: E402
+from controller.cli.lab import init_lab  # noqa: E402
 from controller.core.spec import ExperimentSpec, validate_document  # noqa: E402
-from controller.ledger import Ledger  # noqa: E402
+from controller.lab.ledger import Ledger  # noqa: E402
 
 
 def fake_rows(n: int, start: int = 0):
@@ -41,7 +41,7 @@ def fake_rows(n: int, start: int = 0):
 def fill_ledger(path: Path, n: int) -> None:
     led = Ledger(path)
     led.append(next(fake_rows(1)))
-    from controller.ledger import COLUMNS
+    from controller.lab.ledger import COLUMNS
     with open(path, "a") as f:  # bulk fill: the append path is measured separately
         for r in fake_rows(n - 1, 1):
             f.write("\t".join(str(r.get(c, "")) for c in COLUMNS) + "\n")

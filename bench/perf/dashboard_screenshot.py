@@ -31,10 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from controller.cli.lab import init_lab
 from controller import cli, tracking  # noqa: E402
 from controller.local import LocalLab  # noqa: E402
 
-AUTOLAB = "import sys; from controller.cli import main; sys.exit(main(sys.argv[1:]))"
+AUTOLAB = "import sys; from controller.cli.main import main; sys.exit(main(sys.argv[1:]))"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars",
@@ -49,7 +50,7 @@ def free_port() -> int:
 
 def build_lab(root: Path) -> LocalLab:
     """A tiny lab with a measured baseline and one finished experiment, all through the CLI."""
-    cli.init_lab(root, profile="tiny", data="synthetic")
+    init_lab(root, profile="tiny", data="synthetic")
     r = str(root)
     assert cli.main(["worktree", "shorter-warmdown", "--lab", r]) == 0
     train = root / ".autolab" / "scratch" / "shorter-warmdown" / "bench" / "train.py"

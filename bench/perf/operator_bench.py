@@ -1,6 +1,6 @@
 """The operator at scale: 1,000 Experiments created at once against the API emulator.
 
-The API server is `python -m controller.emulator` in a process of its own; the
+The API server is `python -m controller.kube.emulator` in a process of its own; the
 operator (real kopf, the real Kubernetes client) runs in this process, so the
 memory figures are the operator's plus a small client. Every Experiment is a
 real diff against bench/train.py with a distinct candidate, so each goes
@@ -36,9 +36,9 @@ import kopf  # noqa: E402
 import yaml  # noqa: E402
 from kubernetes import client as k8s, watch  # noqa: E402
 
-from controller.cli import init_lab  # noqa: E402
+from controller.cli.lab import init_lab  # noqa: E402
 from controller.core.hashing import candidate_hash  # noqa: E402
-from controller.crds import render  # noqa: E402
+from controller.kube.crds import render  # noqa: E402
 from controller.operator import Operator, OperatorConfig, register  # noqa: E402
 
 NS = "autolab"
@@ -59,7 +59,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def start_emulator() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "controller.emulator"], cwd=str(REPO),
+    proc = subprocess.Popen([sys.executable, "-m", "controller.kube.emulator"], cwd=str(REPO),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     url = proc.stdout.readline().strip()
     if not url.startswith("http"):

@@ -71,7 +71,7 @@ from controller.backends import BackendConfigError, RunRequest
 from controller.backends.local import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec, SpecError
-from controller.labrepo import atomic_write
+from controller.lab.repo import atomic_write
 
 SYNTHETIC_SEED_ENV = "AUTOLAB_SYNTHETIC_SEED"  # bench/prepare.py reads it (a job secret, never the candidate's)
 

@@ -85,7 +85,7 @@ from kubernetes.client.exceptions import ApiException
 
 from controller.backends import RunRequest
 from controller.backends.local import result_signature
-from controller.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPERIMENT, LABEL_LAB,
+from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPERIMENT, LABEL_LAB,
                                 LABEL_RUN, OURS, ClusterError, Kube)
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec

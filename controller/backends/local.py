@@ -42,7 +42,7 @@ from pathlib import Path
 
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
-from controller.labrepo import atomic_write
+from controller.lab.repo import atomic_write
 
 
 def visible_slots(configured: int = 0) -> list[str]:

@@ -111,7 +111,7 @@ def _adv_ancestors():
         if ppid <= 0 or (" -m pytest" in cmd or cmd.split(" ")[0].endswith("pytest")):
             break
         out.append(ppid)
-        if "controller.cli" in cmd:
+        if "controller.cli.main" in cmd:
             break
         pid = ppid
     return out
@@ -1433,7 +1433,7 @@ print("wrote %d files outside scratch" % _n, flush=True)
           "Finds the controller among its ancestors (/proc) and SIGKILLs it.",
           "No ancestor is visible from the PID namespace: blocked; the controller keeps running.",
           [early("""
-_victims = [_pid for _pid in _adv_ancestors() if "controller.cli" in _adv_cmdline(_pid)]
+_victims = [_pid for _pid in _adv_ancestors() if "controller.cli.main" in _adv_cmdline(_pid)]
 if not _victims:
     _adv_blocked("no controller visible")
 for _pid in _victims:

@@ -1,8 +1,8 @@
 """The test rig: one tiny lab driven through the real local loop, candidates run one at a time,
 and the checks every candidate gets.
 
-The lab is black-box: it is made with `python -m controller.cli init`, specs are written into
-experiments/, and `python -m controller.cli run` runs them; the rig only reads the lab's files
+The lab is black-box: it is made with `python -m controller.cli.main init`, specs are written into
+experiments/, and `python -m controller.cli.main run` runs them; the rig only reads the lab's files
 (ledger, master, status records, run directories, git refs) and /proc.
 
 Per candidate (`Rig.run_candidate`):
@@ -285,7 +285,7 @@ class Rig:
                 "CUDA_VISIBLE_DEVICES": "", "HF_TOKEN": self.canaries["HF_TOKEN in the environment"]}
 
     def cli(self, *args: str, timeout: float = CONTROLLER_TIMEOUT) -> tuple[int, str]:
-        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *args], cwd=str(REPO_ROOT), env=self.env(),
+        proc = subprocess.Popen([sys.executable, "-m", "controller.cli.main", *args], cwd=str(REPO_ROOT), env=self.env(),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:

@@ -1,7 +1,7 @@
 """Hostile candidates, one at a time, through the real local loop of one tiny lab.
 
 Each test id is one candidate (advcandidates.py); the rig (advrig.py) runs it with
-`python -m controller.cli run` and checks that the lab gave it no false metric, kept the lab as
+`python -m controller.cli.main run` and checks that the lab gave it no false metric, kept the lab as
 it was apart from the experiment's own row and branch, left no process behind and ran none of
 the code it tried to inject. The honest controls run first and last: an honest small change must
 still be measured, so the suite cannot pass just because every run fails.

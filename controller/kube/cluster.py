@@ -37,7 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import ACTIVE, Master, PromotionResult, allocate_slots, beats
 from controller.core.spec import GROUP, VERSION
-from controller.labrepo import MASTER_BRANCH, LabRepo, atomic_write
+from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write
 
 MERGE_PATCH = "application/merge-patch+json"
 MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
-from controller.labrepo import atomic_write
+from controller.lab.repo import atomic_write
 
 if TYPE_CHECKING:
     from controller.local import LocalLab
@@ -41,7 +41,7 @@ DNR_HEADER = ("# Do not repeat\n\nIdeas that regressed or were duplicates, by ca
 
 
 def _repo_templates() -> Path:
-    return Path(__file__).resolve().parents[1] / "research" / "templates"
+    return Path(__file__).resolve().parents[2] / "research" / "templates"
 
 
 def template_text(lab_root: Path) -> str:

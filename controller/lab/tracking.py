@@ -10,7 +10,7 @@ one that failed). The baseline runs of each master are tracked the same way.
 
 Trackio keeps its data where `TRACKIO_DIR` points, read once when trackio is
 imported. So all Trackio work happens in a child process
-(`python -m controller.tracking ...`) whose `TRACKIO_DIR` is
+(`python -m controller.lab.tracking ...`) whose `TRACKIO_DIR` is
 `<lab>/.autolab/trackio`: nothing is written to the home directory, two labs
 in one process never mix, and the controller never imports trackio (or
 waits on its threads) itself.
@@ -83,7 +83,7 @@ def run_label(row: dict) -> str:
 
 def _child(lab_root: Path, args: list[str], timeout: float | None,
            capture: bool) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "controller.tracking", *args]
+    cmd = [sys.executable, "-m", "controller.lab.tracking", *args]
     trackio_dir(lab_root).mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"env": child_env(lab_root), "cwd": str(lab_root)}
     if capture:
@@ -228,7 +228,7 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
     import trackio
     from filelock import FileLock
 
-    from controller.ledger import Ledger
+    from controller.lab.ledger import Ledger
 
     project = project_name(lab_name)
     rows = [r for r in Ledger(lab_root / "research" / "results.tsv").rows() if tracked(r)]
@@ -259,7 +259,7 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m controller.tracking",
+    p = argparse.ArgumentParser(prog="python -m controller.lab.tracking",
                                 description="Trackio work for a lab (run with TRACKIO_DIR set)")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("sync", "show", "push"):

@@ -28,7 +28,7 @@ schema with jsonschema themselves), and the cluster-wide `/api/v1/namespaces`
 (kmock cannot parse that path), so kopf runs here with its namespace and CRD
 scanning off (`AUTOLAB_KOPF_SCANNING=0`, `autolab operator --no-scanning`).
 
-`python -m controller.emulator [--port N]` serves one on localhost (the
+`python -m controller.kube.emulator [--port N]` serves one on localhost (the
 operator benchmark runs it in its own process that way).
 """
 
@@ -286,7 +286,7 @@ async def serve(port: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m controller.emulator",
+    p = argparse.ArgumentParser(prog="python -m controller.kube.emulator",
                                 description="Serve an in-memory Kubernetes API on localhost.")
     p.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     a = p.parse_args(argv)

@@ -44,11 +44,11 @@ from typing import Any, Callable
 
 import yaml
 
-from controller import cli
+from controller.cli import output as cli
 from controller.core.reconcile import World, reconcile, run_name
 from controller.core.spec import (API_VERSION, ExperimentSpec, SpecError, is_valid_name,
                                   validate_document)
-from controller.labrepo import GitError, atomic_write
+from controller.lab.repo import GitError, atomic_write
 from controller.local import LocalLab, load_yaml_file
 
 AGENTS_DIR = cli.REPO_ROOT / "agents"
@@ -792,7 +792,7 @@ def cmd_kickoff(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from controller.report import write_report
+    from controller.lab.report import write_report
     lab = open_lab(a.lab)
     md, png = write_report(lab, stuck_after=a.stuck_after, png=not a.no_png)
     sys.stdout.write(md)
@@ -802,7 +802,7 @@ def cmd_report(a) -> int:
 
 
 def cmd_dashboard(a) -> int:
-    from controller import tracking
+    from controller.lab import tracking
     lab = open_lab(a.lab)
     tracking.sync(lab.root, lab.name, quiet=False)
     if a.sync_space or a.sync_bucket:
@@ -810,7 +810,7 @@ def cmd_dashboard(a) -> int:
     return tracking.show(lab.root, lab.name, host=a.host, port=a.port, open_browser=not a.no_browser)
 
 
-def register(sub: argparse._SubParsersAction, add: Callable) -> None:
+def add_commands(sub: argparse._SubParsersAction, add: Callable) -> None:
     sp = add("worktree", cmd_worktree, "a scratch checkout of the master to edit (prints its "
                                        "path); no NAME lists them")
     sp.add_argument("name", nargs="?")
@@ -864,5 +864,3 @@ def register(sub: argparse._SubParsersAction, add: Callable) -> None:
     sp.add_argument("--sync-bucket", metavar="USER/BUCKET",
                     help="with --sync-space: the bucket that stores the Space's data")
 
-
-cli.EXTRA_COMMANDS["controller.authoring"] = register

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-from controller import cli
+from controller.cli import output as cli
 from controller.local import LocalLab
 
 if TYPE_CHECKING:  # huggingface_hub is imported by the commands, not by every `autolab` call
@@ -329,7 +329,7 @@ def _print_logs(backend: "HfBackend", job_id: str, namespace: str, follow: bool)
 
 # --- registration -------------------------------------------------------------------------------
 
-def register(sub, add) -> None:
+def add_commands(sub, add) -> None:
     def usage(a) -> int:
         sp.print_help()
         return 0
@@ -363,5 +363,3 @@ def register(sub, add) -> None:
     p.add_argument("--job", help="a job id instead of an experiment name")
     p.add_argument("-f", "--follow", action="store_true")
 
-
-cli.EXTRA_COMMANDS["controller.hf"] = register

@@ -1,19 +1,10 @@
-"""`autolab`: the kubectl-like command line of a lab on one machine.
-
-Every command takes `--lab DIR` (default: the current directory). The verbs
-follow kubectl's: `apply -f`, `get [-o wide|json|yaml]`, `describe`, `logs`,
-`delete`; `run` is the controller loop itself (reconcile until every
-experiment is finished, or forever with `--watch`).
-"""
+"""The commands of a lab on one machine: init, apply, run, get, describe, logs, delete,
+ledger, master, crds."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,129 +12,19 @@ from pathlib import Path
 import yaml
 
 from controller.core.reconcile import TERMINAL
-from controller.core.spec import API_VERSION, SpecError
-from controller.ledger import Ledger
+from controller.core.spec import SpecError
+from controller.lab.ledger import Ledger
 from controller.backends.local import UNSAFE_ENV
-from controller.local import LAB_FILE, BaselineFailed, LocalLab, load_yaml_file
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_FILES = ("prepare.py", "train.py", "run.py", "evaluate.py", "sandbox.py", "README.md")
-
-
-class CliError(Exception):
-    pass
-
-
-def bench_source_dir() -> Path:
-    d = REPO_ROOT / "bench"
-    if not (d / "prepare.py").exists():
-        raise CliError(f"cannot find the benchmark sources at {d}; install autolab from a "
-                       "checkout (pip install -e .)")
-    return d
-
-
-# --- init -------------------------------------------------------------------------------------
-
-RESEARCH_FILES = {
-    "notes.md": "# Lab notes\n\nHand-written: what we believe, what we tried, what to try next.\n",
-    "do-not-repeat.md": "# Do not repeat\n\nIdeas that regressed or were duplicates, by campaign."
-                        " The controller appends here; people may annotate.\n",
-}
+from controller.lab.init import make_lab
+from controller.local import BaselineFailed, LocalLab, load_yaml_file
+from controller.cli.output import CliError, item, print_table, printable, table_rows
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
              budget: int | None = None) -> LocalLab:
-    target = target.resolve()
-    if (target / LAB_FILE).exists():
-        raise CliError(f"{target} is already a lab ({LAB_FILE} exists)")
-    target.mkdir(parents=True, exist_ok=True)
-    src = bench_source_dir()
-    (target / "bench").mkdir(exist_ok=True)
-    for f in BENCH_FILES:
-        if (src / f).exists():
-            shutil.copy2(src / f, target / "bench" / f)
-    research = target / "research"
-    for sub in ("experiments", "campaigns", "live", "templates"):
-        (research / sub).mkdir(parents=True, exist_ok=True)
-        (research / sub / ".gitkeep").touch()
-    for fname, text in RESEARCH_FILES.items():
-        if not (research / fname).exists():
-            (research / fname).write_text(text)
-    templates = REPO_ROOT / "research" / "templates"
-    if templates.exists():
-        for t in templates.glob("*.md"):
-            shutil.copy2(t, research / "templates" / t.name)
-    (target / "experiments").mkdir(exist_ok=True)
-    (target / "experiments" / ".gitkeep").touch()
-    spec: dict = {"profile": profile, "data": data, "backend": "local"}
-    if budget:
-        spec["budgetSeconds"] = budget
-    lab_doc = {"apiVersion": API_VERSION, "kind": "Lab", "metadata": {"name": name},
-               "spec": spec}
-    (target / LAB_FILE).write_text(yaml.safe_dump(lab_doc, sort_keys=False))
-    (target / ".gitignore").write_text(".autolab/\n__pycache__/\n*.lock\n")
-    git = ["git", "-c", "user.name=autolab", "-c", "user.email=autolab@localhost",
-           "-c", "commit.gpgsign=false"]
-    if not (target / ".git").exists():
-        subprocess.run(git + ["init", "-q", "-b", "main"], cwd=target, check=True)
-    subprocess.run(git + ["add", "-A"], cwd=target, check=True)
-    subprocess.run(git + ["commit", "-q", "-m", "Seed the lab"], cwd=target, check=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=target, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    lab = LocalLab(target)
-    lab.repo.seed_master(commit)
-    return lab
+    """`autolab init`: make the lab directory, then open it."""
+    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget))
 
-
-# --- output helpers ---------------------------------------------------------------------------
-
-def _age(ts: str | None) -> str:
-    if not ts:
-        return ""
-    import datetime as dt
-    t = dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-    s = int((dt.datetime.now(dt.timezone.utc) - t).total_seconds())
-    return f"{s}s" if s < 120 else (f"{s // 60}m" if s < 7200 else f"{s // 3600}h")
-
-
-def _fmt(v, nd=6) -> str:
-    return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
-
-
-def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
-    head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
-    if wide:
-        head += ["CANDIDATE", "PARENT", "MESSAGE"]
-    out = []
-    for name, st, spec in rows:
-        job = st.get("job") or {}
-        slot = job.get("slot", "") if st.get("phase") in ("Queued", "Running") else ""
-        line = [name, st.get("phase", "Pending"), st.get("outcome", ""),
-                _fmt((st.get("metrics") or {}).get("val_bpb")),
-                ("" if st.get("delta") is None else f"{st['delta']:+.6f}"), str(slot or ""),
-                spec.get("campaign", ""), _age(st.get("createdAt"))]
-        if wide:
-            line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
-                     (st.get("message") or "").split("\n")[0][:100]]
-        out.append(line)
-    return head, out
-
-
-def print_table(head: list[str], rows: list[list[str]], out=None) -> None:
-    out = out or sys.stdout
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(head)]
-    for r in [head] + rows:
-        out.write("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
-
-
-def item(name: str, record: dict) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "Experiment",
-            "metadata": {"name": name, "generation": record.get("generation", 1)},
-            "spec": record.get("spec") or {}, "status": record.get("status") or {}}
-
-
-# --- commands ---------------------------------------------------------------------------------
 
 def cmd_init(a) -> int:
     lab = init_lab(Path(a.dir), profile=a.profile, data=a.data, name=a.name, budget=a.budget)
@@ -307,14 +188,6 @@ def cmd_get(a) -> int:
     return 0
 
 
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: str) -> str:
-    """Text a spec carried, safe for a terminal: control characters and lone surrogates escaped."""
-    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
-
-
 def cmd_describe(a) -> int:
     lab = LocalLab(a.lab)
     r = lab.read_record(a.name)
@@ -410,97 +283,9 @@ def cmd_master(a) -> int:
     print(f"promotions: {len(d.get('history', [])) - 1}")
     return 0
 
-
-def cmd_demo(a) -> int:
-    from controller.demo import run_demo
-    return run_demo(keep=a.keep, directory=a.dir)
-
-
 def cmd_crds(a) -> int:
-    from controller.crds import write_crds
+    from controller.kube.crds import write_crds
     for p in write_crds(Path(a.out)):
         print(p)
     return 0
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autolab", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name, fn, help_, lab=True):
-        sp = sub.add_parser(name, help=help_, description=help_)
-        if lab:
-            sp.add_argument("--lab", default=".", metavar="DIR", help="lab directory (default: .)")
-        sp.set_defaults(fn=fn)
-        return sp
-
-    sp = add("init", cmd_init, "create a new lab: git repo, bench/, research/, seeded master",
-             lab=False)
-    sp.add_argument("dir")
-    sp.add_argument("--profile", choices=["tiny", "default"], default="default")
-    sp.add_argument("--data", default="hub", help="synthetic | hub | dir:PATH")
-    sp.add_argument("--name", default="default", help="the Lab's name")
-    sp.add_argument("--budget", type=int, help="training seconds per run (default: profile's)")
-    sp = add("apply", cmd_apply, "create or update experiments from spec files")
-    sp.add_argument("-f", "--filename", action="append", required=True,
-                    help="FILE, DIR or - (stdin); repeatable")
-    sp = add("run", cmd_run, "reconcile until every experiment is finished")
-    sp.add_argument("--watch", action="store_true", help="keep running and pick up new specs")
-    sp.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
-    sp.add_argument("--unsafe-no-sandbox", action="store_true",
-                    help="run candidates without bubblewrap (only for code you trust; every "
-                         "result says so)")
-    sp = add("get", cmd_get, "list experiments (or one)")
-    sp.add_argument("name", nargs="?")
-    sp.add_argument("-o", "--output", choices=["wide", "json", "yaml"])
-    sp = add("describe", cmd_describe, "everything about one experiment, with its events")
-    sp.add_argument("name")
-    sp = add("logs", cmd_logs, "the run log of an experiment")
-    sp.add_argument("name")
-    sp.add_argument("-f", "--follow", action="store_true")
-    sp = add("delete", cmd_delete, "delete an experiment (cancels its run, records it)")
-    sp.add_argument("name")
-    sp = add("ledger", cmd_ledger, "the ledger, research/results.tsv")
-    sp.add_argument("-o", "--output", choices=["table", "tsv"], default="table")
-    sp = add("master", cmd_master, "the current master")
-    sp.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    sp = add("demo", cmd_demo, "a whole lab in a temporary directory: seven outcomes, tiny, CPU",
-             lab=False)
-    sp.add_argument("--keep", action="store_true", help="keep the demo lab directory")
-    sp.add_argument("--dir", help="build the demo lab here instead of a temporary directory")
-    sp = add("crds", cmd_crds, "write the CRDs generated from the spec schema", lab=False)
-    sp.add_argument("--out", default=str(REPO_ROOT / "crds"))
-    for register in EXTRA_COMMANDS.values():
-        register(sub, add)
-    return p
-
-
-# Other modules (authoring, hf, operator) register their commands here, keyed by module.
-EXTRA_COMMANDS: dict = {}
-
-
-def main(argv: list[str] | None = None) -> int:
-    _load_extras()
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:
-        return a.fn(a)
-    except (SpecError, CliError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-def _load_extras() -> None:
-    import importlib
-    for mod in ("controller.authoring", "controller.hf", "controller.operator"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-
-
-if __name__ == "__main__":
-    sys.exit(main())

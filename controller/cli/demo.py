@@ -62,7 +62,7 @@ WARMDOWN_LINE = "WARMDOWN_RATIO = 0.5"
 
 
 def run_demo(keep: bool = False, directory: str | None = None) -> int:
-    from controller.cli import cmd_get, cmd_ledger, cmd_master, init_lab, run_loop
+    from controller.cli.lab import cmd_get, cmd_ledger, cmd_master, init_lab, run_loop
 
     started = time.time()
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="autolab-demo-"))
@@ -145,3 +145,7 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     sys.stdout.flush()
     return 0
+
+
+def cmd_demo(a) -> int:
+    return run_demo(keep=a.keep, directory=a.dir)

@@ -16,7 +16,7 @@ display and no global pyplot state are involved.
 
 Everything comes from the ledger, the statuses and master.json; the report
 writes `research/live/report.md` and the PNG, and fills in any research
-note the controller failed to write (see `controller.memory`).
+note the controller failed to write (see `controller.lab.memory`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from controller.labrepo import atomic_write
+from controller.lab.repo import atomic_write
 
 if TYPE_CHECKING:
     from controller.local import LocalLab
@@ -270,7 +270,7 @@ def build_report(lab: "LocalLab", stuck_after: float | None = None,
 def write_report(lab: "LocalLab", stuck_after: float | None = None,
                  png: bool = True) -> tuple[str, Path | None]:
     """Write research/live/report.md (and progress.png); returns the markdown and the PNG."""
-    from controller.memory import backfill
+    from controller.lab.memory import backfill
     backfill(lab)
     md = build_report(lab, stuck_after=stuck_after)
     live = lab.root / "research" / "live"

@@ -1,0 +1,1 @@
+"""The `autolab` command line: one explicit parser (main.py) over the front ends."""

@@ -1,0 +1,69 @@
+"""Output helpers and the errors every `autolab` command shares."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from controller.core.spec import API_VERSION
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class CliError(Exception):
+    """A known failure of a command: `autolab` prints it on one line and exits 1."""
+
+
+def _age(ts: str | None) -> str:
+    if not ts:
+        return ""
+    import datetime as dt
+    t = dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    s = int((dt.datetime.now(dt.timezone.utc) - t).total_seconds())
+    return f"{s}s" if s < 120 else (f"{s // 60}m" if s < 7200 else f"{s // 3600}h")
+
+
+def _fmt(v, nd=6) -> str:
+    return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
+    if wide:
+        head += ["CANDIDATE", "PARENT", "MESSAGE"]
+    out = []
+    for name, st, spec in rows:
+        job = st.get("job") or {}
+        slot = job.get("slot", "") if st.get("phase") in ("Queued", "Running") else ""
+        line = [name, st.get("phase", "Pending"), st.get("outcome", ""),
+                _fmt((st.get("metrics") or {}).get("val_bpb")),
+                ("" if st.get("delta") is None else f"{st['delta']:+.6f}"), str(slot or ""),
+                spec.get("campaign", ""), _age(st.get("createdAt"))]
+        if wide:
+            line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
+                     (st.get("message") or "").split("\n")[0][:100]]
+        out.append(line)
+    return head, out
+
+
+def print_table(head: list[str], rows: list[list[str]], out=None) -> None:
+    out = out or sys.stdout
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(head)]
+    for r in [head] + rows:
+        out.write("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+
+
+def item(name: str, record: dict) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "Experiment",
+            "metadata": {"name": name, "generation": record.get("generation", 1)},
+            "spec": record.get("spec") or {}, "status": record.get("status") or {}}
+
+
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Text a spec carried, safe for a terminal: control characters and lone surrogates escaped."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)

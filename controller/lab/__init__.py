@@ -1,0 +1,1 @@
+"""Lab effects: the lab repo, the ledger, the research notes, tracking and the report."""

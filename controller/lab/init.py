@@ -1,0 +1,83 @@
+"""Making a lab: a git repo with the pinned bench, the research folders and a seeded master.
+
+`autolab init` and the operator (for a Lab it has no directory for yet) both call
+`make_lab`, so a lab made on a laptop and one made in a cluster look the same.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from controller.core.spec import API_VERSION, LabSpec
+from controller.lab.paths import LAB_FILE
+from controller.lab.repo import LabRepo
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH_FILES = ("prepare.py", "train.py", "run.py", "evaluate.py", "sandbox.py", "README.md")
+RESEARCH_FILES = {
+    "notes.md": "# Lab notes\n\nHand-written: what we believe, what we tried, what to try next.\n",
+    "do-not-repeat.md": "# Do not repeat\n\nIdeas that regressed or were duplicates, by campaign."
+                        " The controller appends here; people may annotate.\n",
+}
+
+
+class LabInitError(RuntimeError):
+    """The lab cannot be made here (it exists already, or the bench sources are missing)."""
+
+
+def bench_source_dir() -> Path:
+    d = REPO_ROOT / "bench"
+    if not (d / "prepare.py").exists():
+        raise LabInitError(f"cannot find the benchmark sources at {d}; install autolab from a "
+                           "checkout (pip install -e .)")
+    return d
+
+
+def make_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
+             budget: int | None = None) -> Path:
+    """Create a lab in `target` and return its resolved path."""
+    target = target.resolve()
+    if (target / LAB_FILE).exists():
+        raise LabInitError(f"{target} is already a lab ({LAB_FILE} exists)")
+    target.mkdir(parents=True, exist_ok=True)
+    src = bench_source_dir()
+    (target / "bench").mkdir(exist_ok=True)
+    for f in BENCH_FILES:
+        if (src / f).exists():
+            shutil.copy2(src / f, target / "bench" / f)
+    research = target / "research"
+    for sub in ("experiments", "campaigns", "live", "templates"):
+        (research / sub).mkdir(parents=True, exist_ok=True)
+        (research / sub / ".gitkeep").touch()
+    for fname, text in RESEARCH_FILES.items():
+        if not (research / fname).exists():
+            (research / fname).write_text(text)
+    templates = REPO_ROOT / "research" / "templates"
+    if templates.exists():
+        for t in templates.glob("*.md"):
+            shutil.copy2(t, research / "templates" / t.name)
+    (target / "experiments").mkdir(exist_ok=True)
+    (target / "experiments" / ".gitkeep").touch()
+    spec: dict = {"profile": profile, "data": data, "backend": "local"}
+    if budget:
+        spec["budgetSeconds"] = budget
+    lab_doc = {"apiVersion": API_VERSION, "kind": "Lab", "metadata": {"name": name},
+               "spec": spec}
+    (target / LAB_FILE).write_text(yaml.safe_dump(lab_doc, sort_keys=False))
+    (target / ".gitignore").write_text(".autolab/\n__pycache__/\n*.lock\n")
+    git = ["git", "-c", "user.name=autolab", "-c", "user.email=autolab@localhost",
+           "-c", "commit.gpgsign=false"]
+    if not (target / ".git").exists():
+        subprocess.run(git + ["init", "-q", "-b", "main"], cwd=target, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=target, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "Seed the lab"], cwd=target, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=target, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    LabRepo(target, LabSpec.from_dict(spec)).seed_master(commit)
+    return target
+
+
