@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
-import datetime as _dt
 import json
 import logging
 import os
@@ -51,34 +49,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
-                                      with_recovery)
-from controller.core.reconcile import (ACTIVE, TERMINAL, Candidate, Decision, Event,
-                                       RunObservation, World, baseline_run_name, reconcile,
-                                       reconcile_baseline, run_name)
-from controller.core.spec import (API_VERSION, GROUP, VERSION, ExperimentSpec, LabSpec, SpecError,
-                                  validate_document)
+from controller.core.failures import RECONCILE_ERROR, failure_message, with_failure
+from controller.core.reconcile import (BASELINE_ATTEMPTS, TERMINAL, Decision, Event, Master,
+                                       PromotionResult)
+from controller.core.spec import API_VERSION, GROUP, VERSION, LabSpec, SpecError, validate_document
+from controller.engine import Engine, Observed
+from controller.lab.clock import utcnow
 
 if TYPE_CHECKING:
-    from controller.backends.kubernetes import KubernetesBackend
-    from controller.kube.cluster import Kube, MasterRecord, MasterStore, SlotBook
-    from controller.lab.repo import LabRepo
-    from controller.lab.ledger import Ledger
+    from controller.kube.cluster import Kube, MasterRecord, MasterStore
 
 log = logging.getLogger("autolab.operator")
 
 EXPERIMENTS = (GROUP, VERSION, "experiments")
 LABS = (GROUP, VERSION, "labs")
 FINALIZER = f"{GROUP}/finalizer"
-BASELINE_ATTEMPTS = 3
-MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
 MASTER_MAX_AGE = 1.0  # seconds a pass may use a copy of the master ConfigMap
 EVENT_MESSAGE_MAX = 1000
 USER_AGENT = "autolab-operator/0.1"
-
-
-def utcnow() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -125,67 +113,169 @@ def _ref(obj: dict) -> dict:
                          "uid": meta.get("uid")}}
 
 
-# --- one lab, as the cluster sees it -------------------------------------------------------------
+# --- one lab, as the cluster sees it: the engine's seams -------------------------------------------
+
+class ClusterStatuses:
+    """StatusStore: Experiment objects, their status in the custom resource's status."""
+
+    def __init__(self, rt: "LabRuntime"):
+        self.rt = rt
+        self.fresh: dict[str, dict] = {}  # an object just read by the handler: no second GET
+        self.refs: dict[str, dict] = {}   # name -> what kopf needs to post Events about it
+
+    def read(self, name: str) -> Observed | None:
+        obj = self.fresh.pop(name, None) or self.rt.op.connect().get_custom(
+            self.rt.namespace, "experiments", name)
+        if obj is None:
+            return None
+        from controller.kube.cluster import owner_reference
+
+        meta = obj["metadata"]
+        self.refs[name] = _ref(obj)
+        live = obj.get("spec") or {}
+        error = None
+        try:
+            validate_document({"apiVersion": API_VERSION, "kind": "Experiment",
+                               "metadata": {"name": name}, "spec": live},
+                              source=f"Experiment {self.rt.namespace}/{name}", kind="Experiment")
+        except SpecError as e:
+            error = str(e)
+        return Observed(name=name, key=meta.get("uid") or name, spec=live,
+                        status={k: v for k, v in (obj.get("status") or {}).items()
+                                if k != "kopf"},
+                        generation=int(meta.get("generation", 1)),
+                        deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
+                        owner=owner_reference(obj) if meta.get("uid") else None)
+
+    def write_status(self, name: str, status: dict) -> None:
+        self.rt.op.connect().patch_status(self.rt.namespace, "experiments", name, status)
+        self.rt.op.phases[(self.rt.namespace, name)] = status.get("phase")
+
+    def finalized(self, name: str) -> None:
+        pass  # kopf removes the finalizer when the delete handler returns
+
+
+class ClusterMaster:
+    """MasterOfRecord: the ConfigMap `<lab>-master`, the lab repo kept in step with it."""
+
+    def __init__(self, rt: "LabRuntime"):
+        self.rt = rt
+
+    def master(self) -> Master:
+        return self.rt.master_record().master()
+
+    def source(self) -> str:
+        return self.rt.master_record().source
+
+    def before_checks(self) -> None:
+        self.rt.sync()
+
+    def promote(self, name: str, commit: str, source: str, val_bpb: float,
+                hashes: tuple[str, str], parent: str, now: str) -> PromotionResult:
+        result = self.rt.store.promote(name, source, commit, val_bpb, parent,
+                                       self.rt.spec.min_delta, now)
+        self.rt.sync()
+        return result
+
+    def set_metric(self, master: Master, val_bpb: float) -> None:
+        self.rt.store.set_metric(master.hash, val_bpb)
+        self.rt.sync()
+
+
+class ClusterEvents:
+    """EventSink: Kubernetes Events on the Experiment and the Lab; the Lab's status mirrored."""
+
+    def __init__(self, rt: "LabRuntime"):
+        self.rt = rt
+
+    def experiment(self, name: str, event: Event) -> None:
+        ref = self.rt.statuses.refs.get(name) or {
+            "apiVersion": API_VERSION, "kind": "Experiment",
+            "metadata": {"name": name, "namespace": self.rt.namespace}}
+        self.rt.op._event(ref, event)
+
+    def lab(self, event: Event) -> None:
+        self.rt.op._event(self.rt.lab_obj, event)
+
+    def lab_changed(self) -> None:
+        self.rt.op._mirror_lab(self.rt)
+
 
 class LabRuntime:
-    """A Lab's cluster state: directory, lab repo, ledger, master ConfigMap, backend, slots."""
+    """A Lab in the cluster: its directory, its master ConfigMap, and its engine."""
 
     def __init__(self, op: "Operator", namespace: str, lab_obj: dict):
         from controller.backends.kubernetes import KubernetesBackend
-        from controller.kube.cluster import MasterStore, SlotBook
+        from controller.kube.cluster import MasterStore as ConfigMapMaster, owner_reference
+        from controller.lab.init import make_lab
+        from controller.lab.paths import LabPaths
 
         self.op = op
         self.namespace = namespace
         self.name = lab_obj["metadata"]["name"]
         self.root = op.config.lab_root / self.name
-        self.lock = threading.RLock()  # the lab repo and the master; materialise is serial
         self.lab_obj = lab_obj
         self.spec = LabSpec.from_dict(lab_obj.get("spec") or {})
-        self.book: SlotBook = SlotBook(self.spec.gpu_slots)
-        self.store: MasterStore = MasterStore(op.kube, namespace, self.name,
-                                              self.spec.surface.rsplit("/", 1)[-1])
-        self.backend: KubernetesBackend = KubernetesBackend(op.kube, namespace, self.name,
-                                                            self.spec, op.config.run_image)
-        self.extra_backends: dict[str, Any] = {}
-        self.baseline_failures: dict[str, int] = collections.Counter()
         self.mirrored: dict | None = None
         self._master: tuple[float, MasterRecord | None] = (0.0, None)
-        self.repo, self.ledger = self._open()
-
-    @property
-    def world_spec(self) -> LabSpec:
-        # In a cluster "local" (the schema's default) means this cluster: Jobs.
-        if self.spec.backend == "local":
-            return dataclasses.replace(self.spec, backend="kubernetes")
-        return self.spec
-
-    def _open(self) -> tuple["LabRepo", "Ledger"]:
-        from controller.lab.init import make_lab
-        from controller.lab.ledger import Ledger
-        from controller.lab.paths import LAB_FILE
-        from controller.lab.repo import LabRepo
-
-        if not (self.root / LAB_FILE).exists():
+        paths = LabPaths.of(self.root)
+        if not paths.lab_file.exists():
             log.info("creating the lab repo of %s in %s", self.name, self.root)
             make_lab(self.root, profile=self.spec.profile, data=self.spec.data, name=self.name,
                      budget=self.spec.budget_seconds)
-        repo = LabRepo(self.root, self.spec)
-        return repo, Ledger(self.root / "research" / "results.tsv")
+        self.store: MasterStore = ConfigMapMaster(op.kube, namespace, self.name,
+                                              self.spec.surface.rsplit("/", 1)[-1])
+        self.statuses = ClusterStatuses(self)
+        kube = KubernetesBackend(op.kube, namespace, self.name, self.spec, op.config.run_image)
+        self.engine = Engine(paths=paths, lab_name=self.name, lab=self.spec,
+                             statuses=self.statuses, master=ClusterMaster(self),
+                             events=ClusterEvents(self), backends={"kubernetes": kube},
+                             make_backend=self._make_backend, visible_slots=_no_local_gpus,
+                             local_means="kubernetes",
+                             lab_owner=owner_reference(lab_obj)
+                             if (lab_obj.get("metadata") or {}).get("uid") else None)
+        self.repo = self.engine.repo
+        self.ledger = self.engine.ledger
+
+    def _make_backend(self, name: str) -> Any:
+        if name == "hf":
+            from controller.backends.hf import HfBackend, token_from_secret
+
+            from controller.backends.hf import HfBackendError
+
+            secret = (self.spec.hf or {}).get("tokenSecret")
+            token = None
+            if secret:
+                try:
+                    token = token_from_secret(secret, self.namespace, self.op.connect().core)
+                except HfBackendError:
+                    raise
+                except Exception as e:  # not found, forbidden: say which Secret and what to do
+                    raise HfBackendError(
+                        f"cannot read the Secret {self.namespace}/{secret} named by the Lab's "
+                        f"spec.hf.tokenSecret ({getattr(e, 'reason', None) or e}); create it "
+                        f"with `kubectl -n {self.namespace} create secret generic {secret} "
+                        "--from-literal=HF_TOKEN=hf_...`") from None
+            return HfBackend.from_lab(self.spec, self.root, token=token, lab_name=self.name)
+        raise SpecError(f"backend {name!r} is not available in the operator; use kubernetes "
+                        "(or hf)")
+
+    @property
+    def book(self) -> Any:
+        return self.engine.book
 
     def update(self, lab_obj: dict) -> None:
         self.lab_obj = lab_obj
         spec = LabSpec.from_dict(lab_obj.get("spec") or {})
         if spec != self.spec:
             self.spec = spec
-            self.repo.lab = spec
-            self.backend.lab = spec
-            self.book.resize(spec.gpu_slots)
+            self.engine.set_lab(spec)
 
     def sync(self) -> "MasterRecord":
         """The master ConfigMap (created if missing), with the lab repo brought in step."""
         from controller.kube.cluster import sync_repo_master
 
-        with self.lock:
+        with self.engine.lock:
             rec = self.store.ensure(self.repo)
             sync_repo_master(self.repo, rec)
             self._master = (time.monotonic(), rec)
@@ -203,39 +293,9 @@ class LabRuntime:
             self._master = (time.monotonic(), rec)
         return rec
 
-    # -- the checked spec of each experiment, kept beside the lab repo -----------------------------
-    def _spec_path(self, uid: str) -> Path:
-        return self.root / ".autolab" / "specs" / f"{uid}.json"
 
-    def checked_spec(self, uid: str) -> dict | None:
-        p = self._spec_path(uid)
-        return json.loads(p.read_text()) if p.exists() else None
-
-    def keep_checked_spec(self, uid: str, spec: dict) -> None:
-        from controller.lab.repo import atomic_write
-
-        atomic_write(self._spec_path(uid), json.dumps(spec, sort_keys=True) + "\n")
-
-    def forget_checked_spec(self, uid: str) -> None:
-        self._spec_path(uid).unlink(missing_ok=True)
-
-    def backend_for(self, name: str) -> Any:
-        if name in ("kubernetes", "local"):
-            return self.backend
-        if name == "hf":
-            if "hf" not in self.extra_backends:
-                from controller.backends.hf import HfBackend  # only labs that use it import it
-                self.extra_backends["hf"] = HfBackend.from_lab(self.spec, self.root)
-            return self.extra_backends["hf"]
-        raise SpecError(f"backend {name!r} is not available in the operator; use kubernetes "
-                        "(or hf)")
-
-    def duplicate_of(self, name: str, c: Candidate) -> str | None:
-        from controller.lab.repo import recorded_duplicate
-        hit = recorded_duplicate(self.repo, self.ledger, name, c)
-        if hit or c.refusal:
-            return hit
-        return self.book.claim(name, (c.candidate_hash, c.semantic_hash))
+def _no_local_gpus(_configured: int) -> list[str]:
+    return ["cpu"]  # the operator's own machine runs nothing
 
 
 # --- the operator ---------------------------------------------------------------------------------
@@ -260,7 +320,6 @@ class Operator:
         self.unsettled: set[tuple[str, str]] = set()
         self.phases: dict[tuple[str, str], str | None] = {}  # as this operator last wrote them
         self.timings: collections.deque[Timing] = collections.deque(maxlen=100_000)
-        self.hooks: list[Callable[[LabRuntime, str, dict, dict], None]] = []
         self.settings: Any = None  # kopf's, from the startup handler
         self._queued: set[str] = set()  # objects with a resync pass waiting for a thread
         # Experiments whose last pass failed for good, with the generation it failed at: the
@@ -337,9 +396,8 @@ class Operator:
     # -- one pass over an Experiment -------------------------------------------------------------
     def reconcile_experiment(self, namespace: str, name: str,
                              deleting: bool = False) -> Decision | None:
-        """Observe, reconcile and act until nothing is left to do. None if the object is gone."""
-        kube = self.connect()
-        obj = kube.get_custom(namespace, "experiments", name)
+        """One engine pass over the Experiment. None if the object is gone."""
+        obj = self.connect().get_custom(namespace, "experiments", name)
         if obj is None:
             return None
         lab = (obj.get("spec") or {}).get("lab", "default")
@@ -347,120 +405,18 @@ class Operator:
             rt = self.runtime(namespace, lab if isinstance(lab, str) else "default")
         except SpecError as e:
             raise LabUnusable(str(e)) from None
+        rt.statuses.fresh[name] = obj
         try:
-            return self._pass(rt, obj, deleting or bool(obj["metadata"].get("deletionTimestamp")))
-        except Exception:
-            # The slot book is the lab's, shared by all its experiments: a slot granted or a
-            # candidate claimed by a pass that failed goes back to what the status says.
-            self._restore_book(rt, namespace, name)
-            raise
-
-    def _restore_book(self, rt: LabRuntime, namespace: str, name: str) -> None:
-        """Put an experiment back into the lab's slot book as the API server has it."""
-        try:
-            obj = self.connect().get_custom(namespace, "experiments", name)
-        except Exception:  # the API is away: the next pass observes it again
-            return
-        if obj is None:
-            rt.book.forget(name)
-            return
-        st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
-        _observe_or_forget(rt.book, name, st, _priority(obj.get("spec") or {}))
-
-    def _pass(self, rt: LabRuntime, obj: dict, deleting: bool) -> Decision:
-        meta = obj["metadata"]
-        name, uid = meta["name"], meta.get("uid", "")
-        live = obj.get("spec") or {}
-        st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
-        spec_error = spec = None
-        try:
-            validate_document({"apiVersion": API_VERSION, "kind": "Experiment",
-                               "metadata": {"name": name}, "spec": live},
-                              source=f"Experiment {rt.namespace}/{name}", kind="Experiment")
-        except SpecError as e:
-            spec_error = str(e)
-        if spec_error is None:
-            spec = ExperimentSpec.from_dict(rt.checked_spec(uid) or live)
-        priority = spec.priority if spec else 0
-        run: RunObservation | None = None
-        job = st.get("job")
-        if job and (st.get("phase") in ACTIVE or (deleting and st.get("phase") not in TERMINAL)):
-            run = rt.backend_for(job["backend"]).observe(job["name"])
-        candidate: Candidate | None = None
-        duplicate = None
-        promotion = None
-        # The master of record; the lab repo is brought in step where it is used (materialise).
-        rec = rt.master_record()
-        decision: Decision | None = None
-        for _ in range(MAX_STEPS):
-            slot = None
-            if not deleting and self._wants_slot(st, candidate, duplicate) \
-                    and rec.doc.get("val_bpb") is not None:
-                slot = rt.book.grant(name, priority, st.get("queuedAt") or utcnow())
-            job = st.get("job") or {}
-            w = World(name=name, spec=spec, lab=rt.world_spec, master=rec.master(), now=utcnow(),
-                      status=st, spec_error=spec_error, generation=int(meta.get("generation", 1)),
-                      deleting=deleting, candidate=candidate, duplicate_of=duplicate, slot=slot,
-                      run=run, promotion=promotion,
-                      recorded=rt.ledger.has_run(job.get("name") or run_name(name)),
-                      worktree=self._leftovers(rt, name, st))
-            decision = reconcile(w)
-            if slot is not None and "submit" not in decision.kinds():
-                rt.book.release(name)
-            if decision.status != st:
-                self.connect().patch_status(rt.namespace, "experiments", name, decision.status)
-                phase_changed = decision.status.get("phase") != st.get("phase")
-                st = decision.status
-                rt.book.observe(name, st, priority)
-                if phase_changed:
-                    self._mirror_lab(rt)
-            for event in decision.events:
-                self._event(obj, event)
-            if not decision.intents:
-                break
-            for intent in decision.intents:
-                a = intent.args
-                if intent.kind == "materialise":
-                    with rt.lock:
-                        rec = rt.sync()
-                        candidate = rt.repo.materialise(name, spec)
-                        duplicate = rt.duplicate_of(name, candidate)
-                    if uid:
-                        rt.keep_checked_spec(uid, live)
-                elif intent.kind == "submit":
-                    run = self._submit(rt, obj, spec, a)
-                elif intent.kind == "cancel":
-                    run = rt.backend_for(a["backend"]).cancel(a["run"])
-                elif intent.kind == "promote":
-                    with rt.lock:
-                        promotion = rt.store.promote(
-                            name, rt.repo.candidate_source(name), st["commit"], a["val_bpb"],
-                            st.get("parentHash", ""), rt.spec.min_delta, utcnow())
-                        rec = rt.sync()
-                    if promotion.promoted:
-                        self._event(rt.lab_obj, Event(
-                            "Normal", "Promoted", f"{name} is the new master: val_bpb "
-                                                  f"{a['val_bpb']:.6f} (was "
-                                                  f"{promotion.master_val_bpb})."))
-                        self._mirror_lab(rt)
-                elif intent.kind == "record":
-                    row = dict(a["row"], created_at=utcnow())
-                    if rt.ledger.append(row):
-                        for hook in self.hooks:
-                            hook(rt, name, obj, row)
-                elif intent.kind == "cleanup":
-                    with rt.lock:
-                        rt.repo.cleanup(name, keep_branch=bool(st.get("job")))
-                    if st.get("job"):
-                        backend = rt.backend_for(st["job"]["backend"])
-                        if hasattr(backend, "cleanup"):
-                            backend.cleanup(st["job"]["name"])
-        assert decision is not None
-        key = (rt.namespace, name)
+            decision = rt.engine.reconcile(name, deleting=deleting)
+        finally:
+            rt.statuses.fresh.pop(name, None)
+        key = (namespace, name)
+        if decision is None:
+            return None
+        st = decision.status
         self.phases[key] = st.get("phase")
         if decision.finalized:
-            rt.forget_checked_spec(uid)
-            rt.book.forget(name)
+            rt.statuses.refs.pop(name, None)
             self.unsettled.discard(key)
             self.phases.pop(key, None)
             self.failed.pop(key, None)
@@ -469,44 +425,6 @@ class Operator:
         else:
             self.unsettled.discard(key)
         return decision
-
-    @staticmethod
-    def _wants_slot(st: dict, candidate: Candidate | None, duplicate: str | None) -> bool:
-        if st.get("job"):
-            return False
-        if st.get("phase") == "Queued":
-            return True
-        return (st.get("phase") == "Pending" and candidate is not None
-                and not candidate.refusal and duplicate is None)
-
-    @staticmethod
-    def _leftovers(rt: LabRuntime, name: str, st: dict) -> bool:
-        if rt.repo.has_worktree(name):
-            return True
-        job = st.get("job")
-        if not job or st.get("phase") not in TERMINAL:
-            return False
-        backend = rt.backend_for(job["backend"])
-        return bool(getattr(backend, "leftovers", lambda _run: False)(job["name"]))
-
-    def _submit(self, rt: LabRuntime, obj: dict, spec: ExperimentSpec | None,
-                a: dict) -> RunObservation:
-        from controller.backends import RunRequest
-        from controller.backends.kubernetes import KubernetesBackend
-        from controller.kube.cluster import owner_reference
-
-        assert spec is not None
-        name = obj["metadata"]["name"]
-        req = RunRequest(run=a["run"], experiment=name, campaign=spec.campaign,
-                         candidate_source=rt.repo.candidate_source(name),
-                         candidate_path=str(rt.repo.worktree_path(name) / rt.spec.surface),
-                         slot=a.get("slot"), profile=rt.spec.profile, data=rt.spec.data,
-                         budget_seconds=rt.spec.budget_seconds, gpus=spec.gpus,
-                         overrides=spec.hf)
-        backend = rt.backend_for(a["backend"])
-        if isinstance(backend, KubernetesBackend):
-            return backend.submit(req, owner=owner_reference(obj))
-        return backend.submit(req)
 
     # -- one pass over a Lab ---------------------------------------------------------------------
     def reconcile_lab(self, namespace: str, name: str) -> LabRuntime | None:
@@ -522,62 +440,10 @@ class Operator:
             self._event(lab_obj, Event("Warning", "InvalidSpec", str(e)))
             raise
         rt = self.runtime(namespace, name, lab_obj)
-        rec = rt.sync()
-        self._baseline(rt, rec)
+        rt.sync()
+        rt.engine.baseline()
         self._mirror_lab(rt)
         return rt
-
-    def _baseline(self, rt: LabRuntime, rec: "MasterRecord") -> None:
-        """Measure a master nobody has measured: one Job, through the core's reconcile_baseline."""
-        from controller.backends import RunRequest
-        from controller.kube.cluster import owner_reference
-
-        m = rec.master()
-        if m.val_bpb is not None:
-            return
-        name = baseline_run_name(m)
-        obs = rt.backend.observe(name)
-        slot = None
-        if obs.state in ("queued", "running"):
-            rt.book.hold(name)
-        elif obs.state == "missing" and rt.baseline_failures[name] < BASELINE_ATTEMPTS:
-            slot = rt.book.hold(name)
-        intents = reconcile_baseline(m, obs, slot, rt.ledger.has_run(name))
-        if slot is not None and "submit" not in [i.kind for i in intents]:
-            rt.book.release(name)
-        for intent in intents:
-            a = intent.args
-            if intent.kind == "submit":
-                req = RunRequest(run=name, experiment="baseline", campaign="",
-                                 candidate_source=rec.source, candidate_path="", slot=a["slot"],
-                                 profile=rt.spec.profile, data=rt.spec.data,
-                                 budget_seconds=rt.spec.budget_seconds,
-                                 gpus=0 if rt.spec.profile == "tiny" else 1)
-                rt.backend.submit(req, owner=owner_reference(rt.lab_obj))
-                self._event(rt.lab_obj, Event("Normal", "BaselineSubmitted",
-                                              f"The master {m.hash[:12]} has no val_bpb yet; "
-                                              f"run {name} measures it first."))
-            elif intent.kind == "record":
-                rt.ledger.append(dict(a["row"], created_at=utcnow(), backend="kubernetes"))
-            elif intent.kind == "set-master-metric":
-                rt.store.set_metric(m.hash, a["val_bpb"])
-                rt.sync()
-                rt.backend.cleanup(name)
-                rt.book.release(name)
-                self._event(rt.lab_obj, Event("Normal", "BaselineMeasured",
-                                              f"The master {m.hash[:12]} measures val_bpb "
-                                              f"{a['val_bpb']:.6f}; experiments may run."))
-            elif intent.kind == "resubmit-baseline":
-                rt.baseline_failures[name] += 1
-                left = BASELINE_ATTEMPTS - rt.baseline_failures[name]
-                rt.backend.cleanup(name)
-                rt.book.release(name)
-                self._event(rt.lab_obj, Event(
-                    "Warning", "BaselineFailed",
-                    f"The baseline run {name} failed: {a.get('reason') or 'no reason given'}; "
-                    + (f"trying again ({left} attempts left)." if left > 0 else
-                       "no attempts left: fix the cause (see the ledger and the run's logs) and "
-                       "restart the operator to try again.")))
 
     def _mirror_lab(self, rt: LabRuntime) -> None:
         """The Lab's status: the master of record and the runs in flight."""
@@ -593,17 +459,19 @@ class Operator:
             "observedGeneration": int(rt.lab_obj["metadata"].get("generation", 1)),
         }
         m = rec.master()
-        name = baseline_run_name(m)
-        if m.val_bpb is None and rt.baseline_failures[name] >= BASELINE_ATTEMPTS:
+        if m.val_bpb is None and rt.engine.baseline_failures.get(m.hash, 0) >= BASELINE_ATTEMPTS:
             status["conditions"] = [{"type": "Ready", "status": "False", "reason": "BaselineFailed",
-                                     "message": f"the baseline run {name} failed "
+                                     "message": f"the baseline of master {m.hash[:12]} failed "
                                                 f"{BASELINE_ATTEMPTS} times; no experiment runs "
-                                                "until the master is measured",
+                                                "until the master is measured (see the ledger "
+                                                "and the Lab's events; restart the operator to "
+                                                "try again)",
                                      "lastTransitionTime": utcnow()}]
         elif m.val_bpb is None:
             status["conditions"] = [{"type": "Ready", "status": "False",
                                      "reason": "MeasuringBaseline",
-                                     "message": f"run {name} measures the master first",
+                                     "message": f"a baseline run measures master {m.hash[:12]} "
+                                                "first",
                                      "lastTransitionTime": utcnow()}]
         else:
             status["conditions"] = [{"type": "Ready", "status": "True", "reason": "Measured",
@@ -721,26 +589,22 @@ class Operator:
         except LabMissing as e:
             raise kopf.TemporaryError(str(e), delay=self.config.retry_seconds) from None
         except SpecError as e:
-            message = failure_message(name, e)
-            self._tell_failure(namespace, name, message)
-            raise kopf.PermanentError(message) from None
+            raise kopf.PermanentError(self._tell_failure(namespace, name, e)) from None
         except Exception:
             self.unsettled.add(key)  # the timer tries again, whatever the phase
             raise
         self.failed.pop(key, None)
-        if decision is not None and not decision.finalized and failing(decision.status):
-            recovered = with_recovery(decision.status, utcnow())
-            if recovered is not None:
-                self.connect().patch_status(namespace, "experiments", name, recovered)
         return decision
 
-    def _tell_failure(self, namespace: str, name: str, message: str) -> None:
+    def _tell_failure(self, namespace: str, name: str, error: Exception) -> str:
         """Put a failure on the experiment's status and Events (once per message)."""
+        message = failure_message(name, error)
         try:
             obj = self.connect().get_custom(namespace, "experiments", name)
             if obj is None:
-                return
+                return message
             self.failed[(namespace, name)] = (obj.get("metadata") or {}).get("generation")
+            # Told without the Lab's engine: the failure may be that the Lab cannot be used.
             st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
             new = with_failure(st, message, utcnow())
             if new is not None:
@@ -748,6 +612,7 @@ class Operator:
                 self._event(obj, Event("Warning", RECONCILE_ERROR, message))
         except Exception as e:  # telling it must not hide what failed
             log.warning("could not tell the failure of %s/%s on it: %s", namespace, name, e)
+        return message
 
     def experiment_deleted(self, namespace: str, name: str, body: Any, **_: Any) -> None:
         import kopf
@@ -821,14 +686,6 @@ class Operator:
     def shutdown(self, **_: Any) -> None:
         if self.kube is not None:
             self.kube.api.close()
-
-
-def _observe_or_forget(book: "SlotBook", name: str, st: dict, priority: int) -> None:
-    """Put one experiment into a slot book as its last written status says."""
-    try:
-        book.observe(name, st, priority)
-    except Exception:  # a status too broken to read: hold nothing for it
-        book.forget(name)
 
 
 def _priority(spec: dict) -> int:

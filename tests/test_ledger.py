@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +98,68 @@ def test_a_seed_ledger_is_extended_not_rewritten(tmp_path):
     led.append(row("exp-new-1"))
     assert path.read_text().startswith(seed)
     assert [r["run_id"] for r in led.rows()] == ["old-1", "exp-new-1"]
+
+
+def test_threads_and_a_second_process_resuming_at_once_write_each_run_once(tmp_path):
+    """A restarted controller's resume passes, all at once: threads sharing the operator's
+    Ledger, threads with Ledgers of their own and a second process all try the same runs
+    (and some of their own). Every run must be in the file once, the header once."""
+    trials, resume = 200, [f"exp-resume{i}-1" for i in range(8)]
+    helper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ledger_writer.py"))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    bad, errors = [], []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often, so their races show in 200 trials
+    try:
+        for trial in range(trials):
+            path = tmp_path / f"trial{trial}" / "results.tsv"
+            shared = Ledger(path)
+            writers = [(shared, f"shared{k}") for k in range(3)] + [(None, f"own{k}") for k in range(2)]
+            barrier = threading.Barrier(len(writers) + 1)
+            expected = list(resume)
+
+            def ids_for(tag, k):
+                own = [f"exp-{tag}-{trial}-{j}" for j in range(2)]
+                expected.extend(own)
+                # Each writer starts the resume list somewhere else, so they meet on every id.
+                return resume[k * 3 % len(resume):] + own + resume[: k * 3 % len(resume)]
+
+            def write(ledger, ids, look_first):
+                try:
+                    ledger = ledger or Ledger(path)
+                    barrier.wait(timeout=10)
+                    for run_id in ids:
+                        if look_first:  # a reconcile pass looks at every run before it writes
+                            [ledger.has_run(r) or ledger.measured(f"h-{r}", None) for r in resume]
+                        ledger.append(row(run_id))
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(f"trial {trial}: {type(e).__name__}: {e}")
+
+            threads = [threading.Thread(target=write, args=(led, ids_for(tag, k), k != 1))
+                       for k, (led, tag) in enumerate(writers)]
+            helper.stdin.write(f"{path}\t{' '.join(ids_for('proc', len(writers)))}\n")
+            helper.stdin.flush()
+            assert helper.stdout.readline() == "ready\n"
+            for t in threads:
+                t.start()
+            helper.stdin.write("go\n")
+            helper.stdin.flush()
+            barrier.wait(timeout=10)
+            for t in threads:
+                t.join()
+            assert (answer := helper.stdout.readline()) == "done\n", answer
+
+            lines = path.read_text().splitlines()
+            run_ids = [line.split("\t")[0] for line in lines[1:]]
+            dupes = {r: run_ids.count(r) for r in set(run_ids) if run_ids.count(r) > 1}
+            if (lines[0] != "\t".join(COLUMNS) or "\t".join(COLUMNS) in lines[1:] or dupes
+                    or sorted(run_ids) != sorted(expected)
+                    or any(len(line.split("\t")) != len(COLUMNS) for line in lines)):
+                bad.append((trial, dupes, lines.count("\t".join(COLUMNS))))
+    finally:
+        sys.setswitchinterval(switch)
+        helper.stdin.close()
+        helper.wait(timeout=10)
+    assert not errors, errors[:3]
+    assert not bad, (f"{len(bad)} of {trials} trials wrote a run more than once or lost one; "
+                     f"first (trial, {{run id: times written}}, headers): {bad[:3]}")

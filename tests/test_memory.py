@@ -9,6 +9,7 @@ import pytest
 from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.lab import memory
+from controller.lab.paths import LabPaths
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
@@ -106,10 +107,11 @@ def test_a_failing_note_never_stops_the_controller_and_report_fills_it_in(tmp_pa
         f.unlink()
     blocker.rmdir()
     blocker.write_text("not a directory")  # the note cannot be written
-    memory.memory_hook(lab, "lr-004", {"spec": spec, "status": status}, r)
+    memory.remember_quietly(LabPaths.of(lab.root), lab.name, lab.lab.surface, r, spec, status)
     assert "could not write the research notes of lr-004" in capsys.readouterr().err
     blocker.unlink()
-    written = memory.backfill(LocalLab(lab.root))
+    fresh = LocalLab(lab.root)
+    written = memory.backfill(fresh.root, fresh.lab.surface, fresh.ledger.rows(), fresh.read_record)
     assert lab.root / "research" / "experiments" / "lr-004.md" in written
     assert "+LR = 0.04" in (lab.root / "research" / "experiments" / "lr-004.md").read_text()
 

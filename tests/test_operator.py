@@ -255,7 +255,7 @@ async def test_experiment_runs_as_a_gpu_job_and_its_result_is_recorded_and_promo
         doc = json.loads(master["data"]["master.json"])
         assert doc["hash"] == SEED_HASH and doc["val_bpb"] is None
         assert master["data"]["train.py"] == SURFACE
-        baseline = baseline_run_name(LabRepo(c.root / "default", _lab_spec()).master())
+        baseline = baseline_run_name("default", LabRepo(c.root / "default", _lab_spec()).master())
         await c.until("the baseline Job", lambda: c.get(JOBS, baseline))
         await c.apply("experiments", experiment("higher-lr", "MATRIX_LR = 0.02",
                                                 "MATRIX_LR = 0.03"))

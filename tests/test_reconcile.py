@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
-                                       allocate_slots, beats, reconcile, reconcile_baseline)
+                                       beats, reconcile, reconcile_baseline)
 from controller.core.spec import ExperimentSpec, LabSpec
 
 NOW = "2026-11-29T10:00:00Z"
@@ -42,8 +42,8 @@ TABLE = [
                                          slot="0"), "Duplicate", None, ["record"]),
     ("checked candidate with a slot is submitted", dict(status=st("Pending"), candidate=GOOD,
                                                         slot="0"), "Queued", None, ["submit"]),
-    ("checked candidate without a slot waits", dict(status=st("Pending"), candidate=GOOD),
-     "Queued", None, []),
+    ("checked candidate without a slot asks for one", dict(status=st("Pending"), candidate=GOOD),
+     "Queued", None, ["acquire-slot"]),
     ("nothing runs before the master's baseline", dict(status=st("Queued"), slot="0",
                                                        master=UNMEASURED), "Queued", None, []),
     ("submitted run that vanished is submitted again (adopt)", dict(status=st("Queued", job=JOB),
@@ -157,16 +157,30 @@ def test_spec_edit_after_checks_is_ignored_not_rerun():
 
 
 def test_baseline_runs_once_then_sets_the_master_metric():
-    assert [i.kind for i in reconcile_baseline(UNMEASURED, None, "0", False)] == ["submit"]
-    assert reconcile_baseline(UNMEASURED, None, None, False) == []
+    missing = RunObservation("b", "missing")
+    assert [i.kind for i in reconcile_baseline(UNMEASURED, missing, "0", False)] == ["submit"]
+    assert reconcile_baseline(UNMEASURED, missing, None, False) == []
     assert reconcile_baseline(UNMEASURED, RunObservation("b", "running"), "0", False) == []
     done = reconcile_baseline(UNMEASURED, RunObservation("b", "succeeded", result={
         "metrics": {"val_bpb": 1.5}}), "0", False)
     assert [i.kind for i in done] == ["record", "set-master-metric"]
-    assert reconcile_baseline(MASTER, None, "0", False) == []
+    assert reconcile_baseline(MASTER, missing, "0", False) == []
+    failed = reconcile_baseline(UNMEASURED, RunObservation("b", "failed", result={
+        "reason_code": "CandidateCrashed", "reason": "boom"}), "0", False)
+    assert [i.kind for i in failed] == ["record", "resubmit-baseline"]
+    assert failed[0].args["row"]["status"] == "error"
+
+
+def test_baseline_runs_are_named_per_lab_and_attempt():
+    from controller.core.reconcile import baseline_run_name
+    a, b = baseline_run_name("lab-a", UNMEASURED), baseline_run_name("lab-b", UNMEASURED)
+    assert a != b and baseline_run_name("lab-a", UNMEASURED, 2) != a
+    assert len(baseline_run_name("x" * 63, UNMEASURED, 3)) <= 63
 
 
 def test_slots_go_by_priority_then_first_come():
+    from controller.core.slots import allocate_slots
+
     queued = [("a", 0, "t1"), ("b", 5, "t3"), ("c", 0, "t0"), ("d", 0, "t2")]
     assert allocate_slots(queued, busy={"1"}, slots=["0", "1", "2"]) == {"b": "0", "c": "2"}
     assert allocate_slots(queued, busy={"0", "1"}, slots=["0", "1"]) == {}

@@ -11,6 +11,7 @@ import pytest
 from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.lab import tracking
+from controller.lab.paths import LabPaths
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
@@ -108,10 +109,10 @@ def test_sync_is_idempotent_and_catches_up_what_it_missed(lab):
 def test_the_hook_tracks_a_run_and_respects_autolab_tracking_off(lab, monkeypatch):
     row = finished(lab, "lr-004", 0.98, CURVE)
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    tracking.tracking_hook(lab, "lr-004", {}, row)
+    tracking.track_quietly(LabPaths.of(lab.root), lab.name, lab.lab.surface, row, None, None)
     assert read_back(lab) == {}
     monkeypatch.delenv("AUTOLAB_TRACKING")
-    tracking.tracking_hook(lab, "lr-004", {}, row)
+    tracking.track_quietly(LabPaths.of(lab.root), lab.name, lab.lab.surface, row, None, None)
     assert set(read_back(lab)) == {"lr-004"}
     assert (lab.root / ".autolab" / "trackio" / "autolab-default.db").exists()
 

@@ -34,6 +34,7 @@ class RunRequest:
     budget_seconds: int | None
     gpus: int = 1
     overrides: dict | None = None  # per-experiment backend settings (e.g. spec.hf)
+    owner: dict | None = None      # in a cluster: the ownerReference its objects carry
 
 
 class Backend(Protocol):
@@ -44,3 +45,9 @@ class Backend(Protocol):
     def observe(self, run: str) -> RunObservation: ...
 
     def cancel(self, run: str) -> RunObservation: ...
+
+    def cleanup(self, run: str) -> None:
+        """Remove what the run left in the backend once its result is recorded."""
+
+    def leftovers(self, run: str) -> bool:
+        """True while `cleanup` still has something to remove."""

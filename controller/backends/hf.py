@@ -45,7 +45,6 @@ must not hold credentials. Only the prepare job gets it, as a secret.
 from __future__ import annotations
 
 import base64
-import datetime as _dt
 import gzip
 import hashlib
 import hmac
@@ -71,6 +70,7 @@ from controller.backends import BackendConfigError, RunRequest
 from controller.backends.local import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec, SpecError
+from controller.lab.clock import iso
 from controller.lab.repo import atomic_write
 
 SYNTHETIC_SEED_ENV = "AUTOLAB_SYNTHETIC_SEED"  # bench/prepare.py reads it (a job secret, never the candidate's)
@@ -206,10 +206,6 @@ def token_from_secret(name: str, namespace: str, core_api: Any = None) -> str:
 
 def _now() -> float:
     return time.time()
-
-
-def _iso(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _read_json(path: Path) -> dict:
@@ -466,7 +462,7 @@ class HfBackend:
         except httpx2.HTTPError as e:
             return RunObservation(req.run, "queued", message=f"submitting to Hugging Face Jobs "
                                                              f"failed ({e}); retrying")
-        rec.update(jobId=job.id, url=job.url, submittedAt=_iso(_now()))
+        rec.update(jobId=job.id, url=job.url, submittedAt=iso(_now()))
         rec.pop("submittingSince", None)
         self._write_record(req.run, rec)
         return self._from_stage(req.run, rec, job.status.stage, job.status.message)
@@ -587,6 +583,12 @@ class HfBackend:
                 text = text.replace(s, "[redacted]")
         atomic_write(self.log_path(run), text)
         return signed
+
+    def cleanup(self, run: str) -> None:
+        """Nothing to remove: the run's directory (log, result) stays as its record."""
+
+    def leftovers(self, run: str) -> bool:
+        return False
 
     def cancel(self, run: str) -> RunObservation:
         obs = self.observe(run)

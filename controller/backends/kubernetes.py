@@ -89,6 +89,7 @@ from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPER
                                 LABEL_RUN, OURS, ClusterError, Kube)
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
+from controller.lab import profiles
 
 CONTAINER = "run"  # the evaluator: its termination message is the result
 STAGE_CONTAINER = "stage"
@@ -109,7 +110,6 @@ CANDIDATE_SHA1 = "autolab.dev/candidate-sha1"  # Job annotation: what the result
 EXIT_CODES = {"succeeded": 0, "failed": 3, "error": 4}  # bench/run.py's contract
 EXIT_CANDIDATE_FAILED = EXIT_CODES["failed"]
 EXIT_HARNESS_ERROR = EXIT_CODES["error"]
-DEFAULT_BUDGET = {"default": 300, "tiny": 4}  # bench/prepare.py's profiles
 DEADLINE_ALLOWANCE = 1800  # data preparation on first use, compilation, evaluation
 DEFAULT_BACKOFF_LIMIT = 2
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -203,7 +203,7 @@ class KubernetesBackend:
             raise ClusterError(f"Lab {self.lab_name} has no spec.kubernetes.image; set it to the "
                                "run image built from bench/Dockerfile")
         labels = self.labels(req)
-        budget = req.budget_seconds or DEFAULT_BUDGET.get(req.profile, DEFAULT_BUDGET["default"])
+        budget = req.budget_seconds or _profile_budget(req.profile)
         candidate = f"{CANDIDATE_DIR}/{self.surface_name()}"
         budget_args = ["--budget", str(req.budget_seconds)] if req.budget_seconds else []
         common_env = [{"name": "AUTOLAB_BENCH_PROFILE", "value": req.profile},
@@ -314,8 +314,9 @@ class KubernetesBackend:
         }
 
     # -- the Backend seam ------------------------------------------------------------------------
-    def submit(self, req: RunRequest, owner: dict | None = None) -> RunObservation:
+    def submit(self, req: RunRequest) -> RunObservation:
         """Create the run's Secret, ConfigMap and Job, or adopt them if they exist (409)."""
+        owner = req.owner
         job = self.job_manifest(req, owner)  # refuses before anything is created
         for create, body in ((self._create_secret, self.key_manifest(req, owner)),
                              (self.kube.create_configmap, self.surface_manifest(req, owner)),
@@ -479,6 +480,13 @@ def _duration(term: dict | None) -> float | None:
         return None
     start, end = _timestamp(term.get("startedAt")), _timestamp(term.get("finishedAt"))
     return None if start is None or end is None or end < start else end - start
+
+
+def _profile_budget(name: str) -> float:
+    """The training budget of profile `name` by bench/prepare.py (the one next to this
+    controller, which the run image is built from); the default profile's for an unknown name."""
+    found = profiles.profiles()
+    return found.get(name, found[profiles.DEFAULT]).time_budget
 
 
 def _held_to_budget(result: dict, train: dict | None) -> dict:

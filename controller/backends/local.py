@@ -299,6 +299,12 @@ class LocalBackend:
             except ChildProcessError:
                 pass
 
+    def cleanup(self, run: str) -> None:
+        """Nothing to remove: the run's directory (log, result) stays as its record."""
+
+    def leftovers(self, run: str) -> bool:
+        return False
+
     def cancel(self, run: str) -> RunObservation:
         d = self.run_dir(run)
         obs = self.observe(run)

@@ -12,7 +12,6 @@ without opening a browser. The token is never printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from controller.cli import output as cli
+from controller.lab import profiles
 from controller.local import LocalLab
 
 if TYPE_CHECKING:  # huggingface_hub is imported by the commands, not by every `autolab` call
@@ -34,10 +34,9 @@ PREPARE_TIMEOUT = "2h"
 
 BOOT_ESTIMATE_SECONDS = 300  # image pull + installing torch on a fresh machine, roughly
 EVAL_ESTIMATE_SECONDS = 60   # the harness's evaluation of the exported model, usually
-FALLBACK_PROFILES = {"default": (300.0, 180.0, 600.0), "tiny": (4.0, 60.0, 120.0)}
 
 HELP = "run experiments on Hugging Face Jobs: preflight, prepare, jobs, logs"
-DESCRIPTION = f"""\
+DESCRIPTION = """\
 Run a lab's experiments on Hugging Face Jobs: rented GPUs, billed per minute a job runs.
 
 What to set, once:
@@ -48,20 +47,34 @@ What to set, once:
                       hf:
                         namespace: alice          # user or organisation (default: the token's user)
                         bucket: autolab-cache     # a private bucket for the prepared data
-                        flavor: {DEFAULT_FLAVOR}              # hardware: h200, a100-large, l4x1, ... (default {DEFAULT_FLAVOR})
-                        timeout: {DEFAULT_TIMEOUT}              # the most one job may run (default {DEFAULT_TIMEOUT})
+                        flavor: {flavor}              # hardware: h200, a100-large, l4x1, ... (default {flavor})
+                        timeout: {timeout}              # the most one job may run (default {timeout})
      Create the bucket with `hf buckets create autolab-cache --private`. An Experiment may
      override flavor, timeout and namespace in its own spec.hf.
-  3. `autolab hf prepare` fills the bucket: a one-time job on a CPU flavor ({PREPARE_FLAVOR}).
+  3. `autolab hf prepare` fills the bucket: a one-time job on a CPU flavor ({prepare_flavor}).
   4. `autolab hf preflight` checks all of it and prints the price before you spend anything.
   Then `autolab run` as usual: every run (the master's baseline too) is one job.
 
 What one run costs in time: the job boots (image pull and dependency install: a few
-minutes on a fresh machine), trains for the lab's budget (default profile: 300 s), may
-spend up to the start-up allowance compiling (default: 180 s), and the harness evaluates
-the exported model (about a minute; at most 10 minutes). Expect budget + 5 to 10 minutes
+minutes on a fresh machine), trains for the lab's budget{budget}, may
+spend up to the start-up allowance compiling{allowance}, and the harness evaluates
+the exported model (about a minute{eval_timeout}). Expect budget + 5 to 10 minutes
 of billed time per run; the timeout caps the worst case. preflight prints the numbers.
 """
+
+
+def description() -> str:
+    """DESCRIPTION, with the default profile's numbers from bench/prepare.py."""
+    numbers = {"budget": "", "allowance": "", "eval_timeout": ""}
+    try:
+        p = profiles.profile(profiles.DEFAULT)
+        numbers = {"budget": f" (default profile: {p.time_budget:g} s)",
+                   "allowance": f" (default: {p.startup_allowance:g} s)",
+                   "eval_timeout": f"; at most {p.eval_timeout / 60:g} minutes"}
+    except profiles.ProfileError:  # help without the numbers rather than no help
+        pass
+    return DESCRIPTION.format(flavor=DEFAULT_FLAVOR, timeout=DEFAULT_TIMEOUT,
+                              prepare_flavor=PREPARE_FLAVOR, **numbers)
 
 
 @dataclass
@@ -80,20 +93,11 @@ class RunCost:
 
 
 def run_cost(lab: LocalLab) -> RunCost:
-    """The time one run may take, from the lab's own harness (its profile's numbers)."""
-    budget, allowance, eval_timeout = FALLBACK_PROFILES.get(lab.lab.profile,
-                                                            FALLBACK_PROFILES["default"])
-    path = lab.root / lab.lab.harness
-    try:
-        spec = importlib.util.spec_from_file_location("autolab_preflight_prepare", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        profile = module.PROFILES[lab.lab.profile]
-        budget, allowance = profile.time_budget, profile.startup_allowance
-        eval_timeout = profile.eval_timeout
-    except (Exception, SystemExit):  # an older harness: the numbers above are its defaults
-        pass
-    return RunCost(float(lab.lab.budget_seconds or budget), float(allowance), float(eval_timeout))
+    """The time one run may take, from the lab's own pinned harness (its profile's numbers in the
+    first commit's bench/prepare.py, which the job runs). ProfileError if it cannot say."""
+    profile = profiles.lab_profile(lab.root, lab.lab.profile, lab.lab.harness)
+    return RunCost(float(lab.lab.budget_seconds or profile.time_budget),
+                   profile.startup_allowance, profile.eval_timeout)
 
 
 def _minutes(seconds: float) -> str:
@@ -207,7 +211,11 @@ def cmd_preflight(a) -> int:
     except (HfHubHTTPError, httpx2.HTTPError) as e:
         problems.append(f"listing the jobs in {namespace} failed: {str(e).splitlines()[0]}")
 
-    c = run_cost(lab)
+    try:
+        c = run_cost(lab)
+    except profiles.ProfileError as e:  # the job would fail the same way, billed
+        problems.append(f"cannot tell what one run costs: {e}")
+        return _verdict(problems, warnings)
     limit = timeout_seconds(settings.timeout)
     out(f"one run:    boot ~{BOOT_ESTIMATE_SECONDS} s + training budget {c.budget:g} s + "
         f"start-up allowance {c.startup_allowance:g} s + evaluation ~{EVAL_ESTIMATE_SECONDS} s "
@@ -335,7 +343,7 @@ def add_commands(sub, add) -> None:
         return 0
 
     sp = add("hf", usage, HELP, lab=False)
-    sp.description = DESCRIPTION
+    sp.description = description()
     sp.formatter_class = argparse.RawDescriptionHelpFormatter
     hf_sub = sp.add_subparsers(dest="hf_command", metavar="COMMAND")
 
@@ -348,7 +356,7 @@ def add_commands(sub, add) -> None:
     p = hf_add("preflight", cmd_preflight, "check token, namespace, bucket, flavor and jobs in "
                                            "flight; print what a run costs, before spending")
     p.add_argument("--flavor", help="check this flavor instead of the lab's")
-    p.epilog = DESCRIPTION  # what to set and what a run costs, where a new user looks first
+    p.epilog = sp.description  # what to set and what a run costs, where a new user looks first
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p = hf_add("prepare", cmd_prepare, "start the one-time job that fills the bucket with the "
                                        "prepared data (a CPU flavor)")

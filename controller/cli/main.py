@@ -9,12 +9,21 @@ experiment is finished, or forever with `--watch`).
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
+from filelock import Timeout as LockTimeout
+
+from controller.backends import BackendConfigError
+from controller.backends.local import HarnessError
 from controller.cli import authoring, demo, hf, lab, operator
-from controller.cli.output import REPO_ROOT, CliError
+from controller.cli.output import REPO_ROOT, CliError, one_line
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
+from controller.lab.ledger import LedgerError
+from controller.lab.repo import GitError
+from controller.local import BaselineFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,17 +81,227 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# --- known failures -----------------------------------------------------------------------------
+# Something wrong in the world, not in autolab (a damaged git repo, a hand-edited ledger, a
+# cluster or Hugging Face out of reach, a full disk): one line on stderr saying what went wrong
+# and what to do, exit 1. Anything else is a bug and keeps its traceback. Kubernetes, kopf,
+# huggingface_hub and the HTTP clients are recognised by class name along the exception's MRO,
+# so that `autolab` imports none of them for a command that does not use them.
+
+ACCESS_HINT = "check the permissions and owner of that path (run autolab as the lab's owner)"
+FILE_HINTS = {
+    errno.EACCES: ACCESS_HINT,
+    errno.EPERM: ACCESS_HINT,
+    errno.ENOSPC: "free some disk space (or move the lab to a larger disk), then run again",
+    errno.EDQUOT: "the disk quota is used up: free some space, then run again",
+    errno.EROFS: "the file system is read-only: put the lab on a writable disk",
+    errno.ENOENT: "check the path (is --lab the lab's directory?)",
+    errno.ENOTDIR: "check the path (is --lab the lab's directory?)",
+    errno.EISDIR: "check the path: a directory is where a file should be",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n), then run again",
+    errno.ENFILE: "too many open files on this machine: stop other processes, then run again",
+    errno.EIO: "the disk reported an I/O error: check it (dmesg) before running again",
+}
+NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+                  errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE}
+
+
+def _is(e: BaseException, module: str, name: str) -> bool:
+    """Whether `e` is an instance of `module.name` (or of a class so named in a submodule),
+    without importing `module`."""
+    return any(c.__qualname__ == name and (c.__module__ == module
+                                           or c.__module__.startswith(module + "."))
+               for c in type(e).__mro__)
+
+
+def _says(message: object, hint: str, always: bool = False) -> str:
+    """`what went wrong; what to do`. Our own errors mostly say what to do already (after a
+    '; '): the hint is added only where they do not, and always to a tool's raw output."""
+    text = one_line(message).rstrip(".") or "failed"
+    return text if ("; " in text and not always) else f"{text}; {hint}"
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    code = getattr(response, "status_code", None) if response is not None else None
+    return code if isinstance(code, int) else None
+
+
+def _url(e: BaseException) -> str:
+    try:  # httpx raises RuntimeError where a request was not set
+        request = getattr(e, "request", None)
+    except RuntimeError:
+        return ""
+    url = getattr(request, "url", None) if request is not None else getattr(e, "url", None)
+    return str(url or "")
+
+
+def _hf_http(e: BaseException) -> str:
+    code = _status(e)
+    if code == 401:
+        hint = ("check the token: `hf auth login` or HF_TOKEN; `autolab hf preflight` checks the "
+                "setup")
+    elif code == 403:
+        hint = ("the token may not act in that namespace: use a token with write access, or set "
+                "spec.hf.namespace; `autolab hf preflight` checks the setup")
+    elif code == 404:
+        hint = "check spec.hf.namespace and spec.hf.bucket in lab.yaml (`autolab hf preflight`)"
+    elif code == 429 or (code or 0) >= 500:
+        hint = "Hugging Face is busy or down: wait a little, then run again"
+    else:
+        hint = "`autolab hf preflight` checks the token, namespace, bucket and flavor"
+    return _says(f"Hugging Face answered{f' {code}' if code else ''}: {e}", hint, always=True)
+
+
+def _kube_api(e: BaseException) -> str:
+    import json
+    status, reason = getattr(e, "status", None), getattr(e, "reason", None)
+    detail = ""
+    try:
+        detail = json.loads(getattr(e, "body", None) or "{}").get("message", "")
+    except (ValueError, TypeError, AttributeError):
+        pass
+    what = f"the Kubernetes API server answered {status} {reason or ''}".rstrip()
+    what += f": {detail}" if detail else ""
+    if status in (401, 403):
+        hint = ("check the credentials of the kubeconfig (or the service account) and its RBAC "
+                "rights in the namespace")
+    elif status == 404:
+        hint = "check the namespace, and that the CRDs are installed (`kubectl apply -f crds/`)"
+    else:
+        hint = "check the cluster (`kubectl get --raw /readyz`), then run again"
+    return _says(what, hint, always=True)
+
+
+def _network(e: BaseException, hint: str) -> str:
+    url = _url(e)
+    detail = str(e) or type(e).__name__
+    code = _status(e)
+    if code is not None:
+        return _says(f"{url or 'the server'} answered {code}: {detail}", hint, always=True)
+    return _says(f"cannot reach {url}: {detail}" if url else f"network error: {detail}", hint,
+                 always=True)
+
+
+def _os_error(e: OSError) -> str | None:
+    if isinstance(e, (ConnectionError, TimeoutError)) or e.errno in NETWORK_ERRNOS \
+            or _is(e, "socket", "gaierror"):
+        return _network(e, "check the network connection and the server's address, then run "
+                           "again")
+    if e.filename is None and e.errno not in FILE_HINTS:
+        return None  # no file and no errno we know: a bug, shown with its traceback
+    what = e.strerror or str(e)
+    if e.filename is not None:
+        target = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+        what = f"{target}: {what}"
+    hint = FILE_HINTS.get(e.errno, "check the path, then run again")
+    name = str(e.filename or "")
+    if e.errno == errno.ENOENT and name and "/" not in name and "." not in name:
+        hint = f"is {name} installed? install it or put it on PATH"  # a program, run by name
+    return _says(what, hint, always=True)
+
+
+def known_failure(e: BaseException, lab: str | None = None) -> str | None:
+    """The one line `autolab` prints for a known failure (without `error: `), or None for a bug."""
+    lab = lab or "."
+    if isinstance(e, (SpecError, CliError, LabInitError)):  # HfBackendError is a SpecError
+        return one_line(e)
+    if isinstance(e, GitError):
+        return _says(e, f"the lab's git repository is damaged or busy: check it with "
+                        f"`git -C {lab} status` and `git -C {lab} fsck`", always=True)
+    if isinstance(e, LedgerError):
+        return _says(e, f"fix {lab}/research/results.tsv by hand: its first line is the header, "
+                        "then one tab-separated row per run")
+    if isinstance(e, HarnessError):
+        return _says(e, f"the lab's first commit is unreadable: check `git -C {lab} fsck`, or "
+                        "make a new lab with `autolab init`")
+    if isinstance(e, BaselineFailed):
+        return _says(e, "see the run's log, then run again")
+    if isinstance(e, BackendConfigError):
+        return _says(e, "fix the backend's settings in lab.yaml, then run again")
+    if _is(e, "controller.kube.cluster", "ClusterError"):
+        return _says(e, "check the cluster with kubectl, then run again")
+    if isinstance(e, LockTimeout):
+        return _says(f"another autolab process holds the lock {e.lock_file}",
+                     "wait for it to finish (or stop it), then run again", always=True)
+    if _is(e, "huggingface_hub", "HfHubHTTPError"):
+        return _hf_http(e)
+    if _is(e, "kubernetes", "ApiException"):
+        return _kube_api(e)
+    if _is(e, "kubernetes", "ConfigException"):
+        return _says(f"cannot load the Kubernetes configuration: {e}",
+                     "set KUBECONFIG (or run in a cluster), or pass --server URL", always=True)
+    if _is(e, "urllib3", "HTTPError") or _is(e, "aiohttp", "ClientError") \
+            or _is(e, "kopf", "APIError"):
+        return _network(e, "check that the Kubernetes API server is up and that the kubeconfig "
+                           "(or --server) names it, then run again")
+    if _is(e, "httpx", "HTTPError") or _is(e, "httpx2", "HTTPError") \
+            or _is(e, "requests", "RequestException"):
+        endpoint = os.environ.get("HF_ENDPOINT")
+        return _network(e, "check the network connection" + (
+            f" and HF_ENDPOINT ({endpoint})" if endpoint else "") + ", then run again")
+    if isinstance(e, OSError):
+        return _os_error(e)
+    return None
+
+
+def _redacted(text: str) -> str:
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(var) or ""
+        if len(token) >= 8:
+            text = text.replace(token, "[redacted]")
+    return text
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR), so that a broken
+    pipe was ours to write to, not some connection's."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+        return False
+
+
+def _silence_stdout() -> None:
+    """The reader of our stdout is gone (`autolab ledger | head -1`): point stdout at /dev/null,
+    so that the interpreter's flush at exit has nowhere to fail and prints no 'Exception
+    ignored ... BrokenPipeError'."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        return a.fn(a)
-    except (SpecError, CliError, LabInitError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        rc = a.fn(a)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
+        return rc
     except KeyboardInterrupt:
         return 130
-
+    except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_reader_gone():
+            _silence_stdout()  # nobody reads any more: nothing to say, to anyone
+            return 1
+        message = known_failure(e, lab=getattr(a, "lab", None))
+        if message is None:
+            raise  # a bug: its traceback is the honest report
+        try:  # what the command printed; if stdout itself failed (a full disk), drop the rest
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            _silence_stdout()
+        try:
+            print(f"error: {_redacted(message)}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ class CliError(Exception):
     """A known failure of a command: `autolab` prints it on one line and exits 1."""
 
 
+_LINE_BREAKS = re.compile(r"\s*[\r\n]+\s*")
+
+
+def one_line(text: object) -> str:
+    """A message on one line: every line break (and the blanks around it) becomes one space."""
+    return _LINE_BREAKS.sub(" ", str(text)).strip()
+
+
 def _age(ts: str | None) -> str:
     if not ts:
         return ""

@@ -113,8 +113,8 @@ class World:
 class Intent:
     """One idempotent effect for the front end to carry out.
 
-    kinds: materialise, submit(run, slot, backend), cancel(run), promote(run, val_bpb),
-    record(row), cleanup.
+    kinds: materialise, acquire-slot(priority, queued_at), submit(run, slot, backend),
+    cancel(run), promote(run, val_bpb), record(row), cleanup.
     """
 
     kind: str
@@ -149,6 +149,25 @@ def beats(val: float, master_val: float | None, min_delta: float) -> bool:
     if master_val is None:
         return False
     return (master_val - val) > min_delta
+
+
+def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta: float,
+                      previous_val_bpb: float | None) -> PromotionResult | None:
+    """The compare of a compare-and-swap promotion, for every master store: None means "swap".
+
+    `current` is the master as just read under the store's lock or version (its
+    "experiment" and "val_bpb"); `previous_val_bpb` is what the master measured before
+    `experiment` was promoted, in case it already was (a retried promotion settles as done).
+    """
+    if current.get("experiment") == experiment:
+        return PromotionResult(True, previous_val_bpb)
+    if not beats(val_bpb, current.get("val_bpb"), min_delta):
+        return PromotionResult(False, current.get("val_bpb"),
+                               f"val_bpb {val_bpb:.6f} did not beat the master "
+                               f"{str(current.get('hash', ''))[:12]} "
+                               f"({current.get('experiment') or 'seed'}, {current.get('val_bpb')}), "
+                               "which was promoted while this run was in flight.")
+    return None
 
 
 def _finite(x: Any) -> bool:
@@ -259,6 +278,9 @@ def _reconcile_active(s: _Step) -> Decision:
             return s.decision()
         if w.slot is None:
             s.condition("Scheduled", False, "WaitingForSlot", "All slots are busy.")
+            # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
+            s.intents.append(Intent("acquire-slot", {
+                "priority": w.spec.priority if w.spec else 0, "queued_at": st.get("queuedAt", "")}))
             return s.decision()
         backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
         st["job"] = {"backend": backend, "name": run_name(w.name), "slot": w.slot}
@@ -414,17 +436,27 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
 
 # --- the baseline of a master that has no metric yet ------------------------------------------
 
-def baseline_run_name(master: Master) -> str:
-    return f"baseline-{master.hash[:10]}"
+BASELINE_ATTEMPTS = 3  # tries at measuring one master, per controller start
+
+
+def baseline_run_name(lab: str, master: Master, attempt: int = 1) -> str:
+    """`baseline-<lab>-<master hash>-<attempt>`: unique per lab (two Labs share a namespace)
+    and per attempt (each attempt has its own ledger row); at most 63 characters."""
+    return f"baseline-{lab[:36]}-{master.hash[:10]}-{attempt}"
 
 
 def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | None,
                        recorded: bool) -> list[Intent]:
-    """Intents that measure a master nobody has measured: run it once, record it, set it."""
-    if master.val_bpb is not None:
+    """Intents that measure a master nobody has measured: run it, record it, set its metric.
+
+    `run` is the backend's view of this attempt's run (named by `baseline_run_name`), `slot`
+    the slot it may take if it has to be submitted. A failed attempt asks to be tried again
+    (`resubmit-baseline`); how often is the engine's policy (BASELINE_ATTEMPTS).
+    """
+    if master.val_bpb is not None or run is None:
         return []
-    name = baseline_run_name(master)
-    if run is None or run.state == "missing":
+    name = run.name
+    if run.state == "missing":
         return [Intent("submit", {"run": name, "slot": slot})] if slot is not None else []
     if run.state in ("queued", "running"):
         return []
@@ -434,7 +466,8 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
            "campaign": "", "experiment_id": "baseline", "worker_id": run.worker,
            "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
            "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
-           "comment": "" if ok else ((run.result or {}).get("reason") or run.message)}
+           "comment": "" if ok else ((run.result or {}).get("reason") or run.message),
+           "reason": "" if ok else ((run.result or {}).get("reason_code") or "BaselineFailed")}
     for k in ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
         if k in ((run.result or {}).get("metrics") or {}):  # the ledger's metric columns
             row[k] = str(run.result["metrics"][k])
@@ -444,17 +477,3 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
     else:
         out.append(Intent("resubmit-baseline", {"run": name, "reason": row["comment"]}))
     return out
-
-
-# --- slots --------------------------------------------------------------------------------------
-
-def allocate_slots(queued: list[tuple[str, int, str]], busy: set[str],
-                   slots: list[str]) -> dict[str, str]:
-    """Give free slots to queued experiments: higher priority first, FIFO within a priority.
-
-    queued: (name, priority, queued_at) of experiments waiting for a slot.
-    busy: slots held by runs in flight. slots: every slot id (GPU ids, or ["cpu"]).
-    """
-    free = [s for s in slots if s not in busy]
-    order = sorted(queued, key=lambda q: (-q[1], q[2], q[0]))
-    return {name: slot for (name, _, _), slot in zip(order, free)}

@@ -14,20 +14,14 @@ Three pieces the operator builds on, each small enough to read in one go:
   `promotions.json` (the last promotions, newest last). A promotion is a merge
   patch that names the `resourceVersion` it read: if another writer got there
   first the API server answers 409, and the store reads again and compares
-  again (`beats`), so two winners finishing together never overwrite each other.
-  The operator's lab repo follows it (`sync_repo_master`), never the other way.
-
-- `SlotBook`: which runs hold the Lab's GPU slots and who waits for one, kept
-  in memory by the one active operator, seeded from the Experiments' statuses
-  when a lab is first seen, and handed out with the core's `allocate_slots`
-  (priority first, then first come). A Lab without `capacity.gpuSlots` leaves
-  queueing to the cluster (its scheduler or Kueue) and grants every request.
+  again (the core's `promotion_refused`), so two winners finishing together never
+  overwrite each other. The operator's lab repo follows it (`sync_repo_master`),
+  never the other way.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +29,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from controller.core.hashing import candidate_hash, semantic_hash
-from controller.core.reconcile import ACTIVE, Master, PromotionResult, allocate_slots, beats
+from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import GROUP, VERSION
 from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write
 
@@ -258,16 +252,11 @@ class MasterStore:
         for _ in range(CAS_ATTEMPTS):
             rec = self.require()
             d = rec.doc
-            if d.get("experiment") == experiment:
-                prev = next((p.get("previous", {}).get("val_bpb") for p in rec.promotions
+            previous = next((p.get("previous", {}).get("val_bpb") for p in rec.promotions
                              if p.get("experiment") == experiment), None)
-                return PromotionResult(True, prev)
-            if not beats(val_bpb, d.get("val_bpb"), min_delta):
-                return PromotionResult(False, d.get("val_bpb"),
-                                       f"val_bpb {val_bpb:.6f} did not beat the master "
-                                       f"{d['hash'][:12]} ({d.get('experiment') or 'seed'}, "
-                                       f"{d.get('val_bpb')}), which was promoted while this run "
-                                       "was in flight.")
+            settled = promotion_refused(d, experiment, val_bpb, min_delta, previous)
+            if settled is not None:
+                return settled
             entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),
                      "commit": commit, "val_bpb": val_bpb, "experiment": experiment,
                      "parent": parent, "promotedAt": now}
@@ -343,108 +332,3 @@ def _commit_source(repo: LabRepo, base: str, source: str, message: str) -> str:
         return repo.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
     finally:
         repo.git("worktree", "remove", "--force", str(wt), check=False)
-
-
-# --- slots ----------------------------------------------------------------------------------------
-
-class SlotBook:
-    """GPU slots of one Lab: who holds one, who waits, and which candidates are in flight."""
-
-    def __init__(self, slots: int = 0):
-        self.slots = [f"slot-{i}" for i in range(slots)] if slots > 0 else None
-        self.held: dict[str, str] = {}       # slot -> holder (experiment or baseline run)
-        self.waiting: dict[str, tuple[int, str]] = {}  # experiment -> (priority, queuedAt)
-        self.inflight: dict[str, str] = {}   # candidate or semantic hash -> experiment
-        self.running: set[str] = set()       # experiments and baselines with a run in flight
-        self._lock = threading.Lock()
-
-    def resize(self, slots: int) -> None:
-        with self._lock:
-            self.slots = [f"slot-{i}" for i in range(slots)] if slots > 0 else None
-
-    def observe(self, name: str, status: dict, priority: int = 0) -> None:
-        """Take in one Experiment's status as last written."""
-        phase = status.get("phase")
-        job = status.get("job") or {}
-        with self._lock:
-            self._release(name)
-            for h in [h for h, who in self.inflight.items() if who == name]:
-                del self.inflight[h]
-            self.waiting.pop(name, None)
-            if phase not in ACTIVE:
-                return
-            for h in (status.get("candidateHash"), status.get("semanticHash")):
-                if h:
-                    self.inflight.setdefault(h, name)
-            if job:
-                self.running.add(name)
-                if self.slots is not None and job.get("slot") in self.slots:
-                    self.held[job["slot"]] = name
-            elif phase == "Queued":
-                self.waiting[name] = (priority, status.get("queuedAt") or "")
-
-    def claim(self, name: str, hashes: tuple[str | None, ...]) -> str | None:
-        """Mark a checked candidate in flight; returns who already has it, if anyone."""
-        with self._lock:
-            for h in hashes:
-                other = self.inflight.get(h or "")
-                if other and other != name:
-                    return other
-            for h in hashes:
-                if h:
-                    self.inflight[h] = name
-            return None
-
-    def grant(self, name: str, priority: int, queued_at: str) -> str | None:
-        """A slot for `name` if it is next in line, reserved until `observe` or `release`."""
-        with self._lock:
-            if self.slots is None:
-                return "cluster"
-            for slot, who in self.held.items():
-                if who == name:
-                    return slot
-            self.waiting[name] = (priority, queued_at)
-            queued = [(n, p, q) for n, (p, q) in self.waiting.items()]
-            slot = allocate_slots(queued, set(self.held), self.slots).get(name)
-            if slot is not None:
-                self.held[slot] = name
-                self.waiting.pop(name, None)
-            return slot
-
-    def hold(self, name: str, slot: str | None = None) -> str | None:
-        """A slot for a run outside the queue (the baseline): any free one, or the one it has."""
-        with self._lock:
-            self.running.add(name)
-            if self.slots is None:
-                return "cluster"
-            for s, who in self.held.items():
-                if who == name:
-                    return s
-            free = [s for s in self.slots if s not in self.held]
-            if slot in free:
-                free = [slot]
-            if not free:
-                self.running.discard(name)
-                return None
-            self.held[free[0]] = name
-            return free[0]
-
-    def release(self, name: str) -> None:
-        with self._lock:
-            self._release(name)
-
-    def forget(self, name: str) -> None:
-        with self._lock:
-            self._release(name)
-            self.waiting.pop(name, None)
-            for h in [h for h, who in self.inflight.items() if who == name]:
-                del self.inflight[h]
-
-    def _release(self, name: str) -> None:
-        self.running.discard(name)
-        for slot in [s for s, who in self.held.items() if who == name]:
-            del self.held[slot]
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self.running)

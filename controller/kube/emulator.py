@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import datetime
 import secrets
 import uuid
 import warnings
@@ -48,6 +47,8 @@ import aiohttp.web
 import jsonpatch
 import kmock
 from kmock._internal import rendering  # the request type the handler hooks receive
+
+from controller.lab.clock import utcnow
 
 MUTATING = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
 SUBRESOURCES_SERVED = (None, "status")
@@ -138,7 +139,7 @@ class Emulator(kmock.KubernetesEmulator, _DirectRoutes):
         key = (request.resource, request.namespace, meta.get("name"))
         if key not in self.objects or self.objects[key].deleted:  # a conflict keeps what is stored
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", _now())
+            meta.setdefault("creationTimestamp", utcnow())
             meta.setdefault("generation", 1)
             meta["resourceVersion"] = self._next_revision()
         if request.resource == CRDS:
@@ -272,10 +273,6 @@ def _selected(obj: dict, request: rendering.Request) -> bool:
         if labels.get(k.strip()) != v.strip():
             return False
     return True
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def serve(port: int = 0) -> None:

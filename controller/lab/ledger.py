@@ -1,24 +1,35 @@
 """The ledger: `research/results.tsv`, one row per finished experiment, append-only.
 
 The columns are the seed ledger's, in its order, so existing autoresearch
-parsers keep reading it; Autolab's own columns come after them. Rows are only
-ever appended, under a file lock, one `write` of one whole line each, and a
-run id is written once however often a crashed controller retries. The ledger
-is never rewritten: a promotion is known when the row is written, because the
-row is appended after the compare-and-swap on the master.
+parsers keep reading it; Autolab's own columns come after them. The ledger is
+never rewritten: a promotion is known when the row is written, because the row
+is appended after the compare-and-swap on the master.
+
+Each run id is written at most once, however many writers try it at the same
+time and however often a crashed or restarted controller retries: threads
+sharing one `Ledger`, threads each with their own, and other processes on the
+same host. `append` holds the object's thread lock and an exclusive `flock` on
+`results.tsv.lock` (taken on a descriptor opened for that one append, so it
+excludes other threads of this process as well as other processes), re-reads
+what others appended, and only then decides and writes: one `write` of one
+whole line, fsynced, before the lock is let go.
 
 Lookups (has this run been recorded? has this candidate been measured?) go
 through an in-memory index that is extended with only the bytes appended since
 the last look, so a check costs the same against ten rows or a hundred
-thousand.
+thousand. The index only takes complete lines: a line still being written, or
+torn by a crash, is read once its newline is there.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
-
-from filelock import FileLock
+from typing import Iterator
 
 SEED_COLUMNS = ("run_id created_at status job_id campaign experiment_id worker_id hypothesis "
                 "parent_hash candidate_hash val_bpb training_seconds total_seconds peak_vram_mb "
@@ -29,6 +40,34 @@ COLUMNS = SEED_COLUMNS + EXTRA_COLUMNS
 # Rows whose candidate counts as measured: a repeat of one of these is a duplicate.
 # Infrastructure errors and cancellations measured nothing, so they may be tried again.
 MEASURED = {"succeeded", "failed", "baseline"}
+
+# Lock descriptors open in this process right now. A child forked meanwhile closes its
+# copies: a flock belongs to the open file, and the copy would keep it held after the
+# parent's thread let go, until the child exited.
+_HELD_LOCK_FDS: set[int] = set()
+# Ledgers of this process: a child forked while another thread held one's thread lock
+# gets a fresh lock and a fresh index (that thread does not exist in the child, and may
+# have left the index half updated).
+_LEDGERS: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for fd in list(_HELD_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCK_FDS.clear()
+    for ledger in list(_LEDGERS):
+        if ledger._mutex.acquire(blocking=False):
+            ledger._mutex.release()
+        else:
+            ledger._mutex = threading.RLock()
+            ledger._reset_index()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LedgerError(RuntimeError):
@@ -43,7 +82,14 @@ def _clean(value: object) -> str:
 class Ledger:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._lock = FileLock(str(self.path) + ".lock")
+        self._lock_path = str(self.path) + ".lock"
+        # Guards the index and makes check-then-write one step for the threads sharing
+        # this object; the flock in `_exclusive` does the same between objects and processes.
+        self._mutex = threading.RLock()
+        self._reset_index()
+        _LEDGERS.add(self)
+
+    def _reset_index(self) -> None:
         self._offset = 0
         self._header: list[str] | None = None
         self._rows: list[dict] = []
@@ -53,35 +99,41 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Index whatever was appended since the last look."""
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            return
-        if size == self._offset:
-            return  # nothing appended since the last look
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n")
-        if end < 0:
-            return
-        chunk, self._offset = data[: end + 1], self._offset + end + 1
-        for raw in chunk.decode("utf-8", errors="replace").split("\n")[:-1]:
-            fields = raw.split("\t")
-            if self._header is None:
-                self._header = fields
-                unknown = [c for c, ours in zip(fields, COLUMNS) if c != ours]
-                if unknown or len(fields) > len(COLUMNS):
-                    raise LedgerError(f"{self.path}: header does not match the ledger columns "
-                                      f"({' '.join(COLUMNS)}); keep the seed's columns in order "
-                                      "and add new ones only at the end")
-                continue
-            if not raw.strip():
-                continue
-            row = dict(zip(self._header if len(fields) <= len(self._header) else COLUMNS,
-                           fields))
-            self._index(row)
+        """Index whatever was appended since the last look (complete lines only)."""
+        with self._mutex:
+            try:
+                size = os.stat(self.path).st_size
+            except FileNotFoundError:
+                return
+            if size == self._offset:
+                return  # nothing appended since the last look
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+            end = data.rfind(b"\n")
+            if end < 0:
+                return  # only part of a line so far: its writer has not finished it
+            header = self._header
+            rows = []
+            for raw in data[: end + 1].decode("utf-8", errors="replace").split("\n")[:-1]:
+                fields = raw.split("\t")
+                if header is None:
+                    unknown = [c for c, ours in zip(fields, COLUMNS) if c != ours]
+                    if unknown or len(fields) > len(COLUMNS):
+                        raise LedgerError(
+                            f"{self.path}: header does not match the ledger columns "
+                            f"({' '.join(COLUMNS)}); keep the seed's columns in order "
+                            "and add new ones only at the end")
+                    header = fields
+                    continue
+                if not raw.strip():
+                    continue
+                rows.append(dict(zip(header if len(fields) <= len(header) else COLUMNS, fields)))
+            # Parsed first, committed together: the offset never runs ahead of the index.
+            self._header = header
+            for row in rows:
+                self._index(row)
+            self._offset += end + 1
 
     def _index(self, row: dict) -> None:
         self._rows.append(row)
@@ -95,44 +147,62 @@ class Ledger:
                 self._by_semantic.setdefault(s, name)
 
     def rows(self) -> list[dict]:
-        self.refresh()
-        return list(self._rows)
+        with self._mutex:
+            self.refresh()
+            return list(self._rows)
 
     def has_run(self, run_id: str) -> bool:
-        self.refresh()
-        return run_id in self._run_ids
+        with self._mutex:
+            self.refresh()
+            return run_id in self._run_ids
 
     def measured(self, candidate_hash: str | None, semantic: str | None) -> str | None:
         """The experiment that already measured this candidate, exactly or semantically."""
-        self.refresh()
-        if candidate_hash and candidate_hash in self._by_hash:
-            return self._by_hash[candidate_hash]
-        if semantic and semantic in self._by_semantic:
-            return self._by_semantic[semantic]
-        return None
+        with self._mutex:
+            self.refresh()
+            if candidate_hash and candidate_hash in self._by_hash:
+                return self._by_hash[candidate_hash]
+            if semantic and semantic in self._by_semantic:
+                return self._by_semantic[semantic]
+            return None
 
     # -- writing -------------------------------------------------------------------------------
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """An exclusive flock on the lock file, on a descriptor of its own.
+
+        flock belongs to the open file, so a descriptor opened for this one hold also
+        excludes the other threads of this process, each opening their own."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        _HELD_LOCK_FDS.add(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            _HELD_LOCK_FDS.discard(fd)
+            os.close(fd)  # releases the flock
+
     def append(self, row: dict) -> bool:
         """Append one row unless its run id is recorded already. Returns True if written."""
         unknown = set(row) - set(COLUMNS)
         if unknown:
             raise LedgerError(f"unknown ledger columns: {sorted(unknown)}")
+        line = ("\t".join(_clean(row.get(c, "")) for c in COLUMNS) + "\n").encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
+        with self._mutex, self._exclusive():
             self.refresh()
-            if row["run_id"] in self._run_ids:
+            if _clean(row["run_id"]) in self._run_ids:
                 return False
-            line = "\t".join(_clean(row.get(c, "")) for c in COLUMNS) + "\n"
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                if os.fstat(fd).st_size == 0:
-                    os.write(fd, ("\t".join(COLUMNS) + "\n").encode())
-                else:
-                    with open(self.path, "rb") as f:
-                        f.seek(-1, os.SEEK_END)
-                        if f.read(1) != b"\n":  # a torn last line from a crash: end it
-                            os.write(fd, b"\n")
-                os.write(fd, line.encode("utf-8"))
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    line = ("\t".join(COLUMNS) + "\n").encode() + line
+                elif os.pread(fd, 1, size - 1) != b"\n":
+                    line = b"\n" + line  # a torn last line from a crash: end it
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
                 os.fsync(fd)
             finally:
                 os.close(fd)

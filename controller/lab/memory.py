@@ -24,15 +24,13 @@ import re
 import string
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.lab.repo import atomic_write
 
-if TYPE_CHECKING:
-    from controller.local import LocalLab
 
 TEMPLATE = "experiment.md"
 NO_CAMPAIGN = "no campaign"
@@ -188,23 +186,27 @@ def remember(lab_root: Path, surface: str, row: dict, spec: dict | None,
     return written
 
 
-def memory_hook(lab: "LocalLab", name: str, record: dict, row: dict) -> None:
-    """LocalLab hook: the research notes of an experiment whose ledger row was just written."""
+def remember_quietly(paths, lab_name: str, surface: str, row: dict, spec: dict | None,
+                     status: dict | None) -> None:
+    """After-record hook: the research notes of the experiment whose ledger row was written."""
     try:
-        remember(lab.root, lab.lab.surface, row, record.get("spec"), record.get("status"))
+        remember(paths.root, surface, row, spec, status)
     except Exception as e:  # memory must never stop the controller; backfill repairs it
-        print(f"warning: could not write the research notes of {name}: {e}; `autolab report` "
-              "writes missing notes", file=sys.stderr)
+        print(f"warning: could not write the research notes of {row.get('experiment_id')}: {e}; "
+              "`autolab report` writes missing notes", file=sys.stderr)
 
 
-def backfill(lab: "LocalLab") -> list[Path]:
-    """Notes and do-not-repeat entries for every ledger row that lacks them."""
+def backfill(lab_root: Path, surface: str, rows: list[dict],
+             record: Callable[[str], dict]) -> list[Path]:
+    """Notes and do-not-repeat entries for every ledger row that lacks them.
+
+    `record(name)` gives what the controller kept of an experiment ({"spec", "status"}).
+    """
     written: list[Path] = []
-    for row in lab.ledger.rows():
+    for row in rows:
         name = row.get("experiment_id", "")
         if not name or name == "baseline":
             continue
-        record = lab.read_record(name)
-        written += remember(lab.root, lab.lab.surface, row, record.get("spec"),
-                            record.get("status"))
+        r = record(name)
+        written += remember(lab_root, surface, row, r.get("spec"), r.get("status"))
     return written

@@ -138,15 +138,10 @@ class LabRepo:
         """Compare-and-swap: under the lock, re-read the master, compare again, then move it."""
         with self._master_lock:
             d = self.master_doc()
-            if d.get("experiment") == name:
-                prev = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
-                return PromotionResult(True, prev)
-            if not beats(val_bpb, d.get("val_bpb"), self.lab.min_delta):
-                return PromotionResult(False, d.get("val_bpb"),
-                                       f"val_bpb {val_bpb:.6f} did not beat the master "
-                                       f"{d['hash'][:12]} ({d.get('experiment') or 'seed'}, "
-                                       f"{d.get('val_bpb')}), which was promoted while this "
-                                       "run was in flight.")
+            previous = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
+            settled = promotion_refused(d, name, val_bpb, self.lab.min_delta, previous)
+            if settled is not None:
+                return settled
             self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
             entry = {"hash": hashes[0], "semanticHash": hashes[1], "commit": commit,
                      "val_bpb": val_bpb, "experiment": name, "parent": parent,

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controller.lab import clock, profiles
 from controller.lab.repo import atomic_write
 
 if TYPE_CHECKING:
     from controller.local import LocalLab
 
-PROFILE_BUDGETS = {"default": 300.0, "tiny": 4.0}  # bench/prepare.py's time_budget per profile
 STUCK_SLACK_SECONDS = 600.0  # start-up, compilation and evaluation on top of the budget
 REFUSALS = ("invalid", "duplicate", "conflict")
 RECENT = 10
@@ -42,8 +42,7 @@ def _ts(value: str | None) -> _dt.datetime | None:
     if not value:
         return None
     try:
-        return _dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=_dt.timezone.utc)
+        return clock.parse(value)
     except ValueError:
         return None
 
@@ -61,8 +60,18 @@ def _age(seconds: float) -> str:
     return f"{s}s" if s < 120 else (f"{s // 60}m" if s < 7200 else f"{s // 3600}h{s % 3600 // 60:02d}m")
 
 
+def profile_budget(lab: "LocalLab") -> float:
+    """The training budget of the lab's profile, from the lab's pinned bench/prepare.py (the
+    harness its runs execute); the repository's bench/prepare.py if the lab's cannot say."""
+    try:
+        return profiles.lab_profile(lab.root, lab.lab.profile, lab.lab.harness).time_budget
+    except profiles.ProfileError:
+        found = profiles.profiles()
+        return found.get(lab.lab.profile, found[profiles.DEFAULT]).time_budget
+
+
 def default_stuck_after(lab: "LocalLab") -> float:
-    budget = lab.lab.budget_seconds or PROFILE_BUDGETS.get(lab.lab.profile, 300.0)
+    budget = lab.lab.budget_seconds or profile_budget(lab)
     return 3 * budget + STUCK_SLACK_SECONDS
 
 
@@ -271,7 +280,7 @@ def write_report(lab: "LocalLab", stuck_after: float | None = None,
                  png: bool = True) -> tuple[str, Path | None]:
     """Write research/live/report.md (and progress.png); returns the markdown and the PNG."""
     from controller.lab.memory import backfill
-    backfill(lab)
+    backfill(lab.root, lab.lab.surface, lab.ledger.rows(), lab.read_record)
     md = build_report(lab, stuck_after=stuck_after)
     live = lab.root / "research" / "live"
     atomic_write(live / "report.md", md)

@@ -33,10 +33,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from controller.local import LocalLab
 
 SYNC_TIMEOUT_SECONDS = 300
 TRACKED_STATUSES = ("succeeded", "failed", "error", "cancelled", "baseline")
@@ -115,16 +113,18 @@ def sync(lab_root: Path, lab_name: str, quiet: bool = True) -> bool:
     return True
 
 
-def tracking_hook(lab: "LocalLab", name: str, record: dict, row: dict) -> None:
-    """LocalLab hook: after a ledger row is written, bring Trackio up to date."""
+def track_quietly(paths, lab_name: str, surface: str, row: dict, spec: dict | None,
+                  status: dict | None) -> None:
+    """After-record hook: bring Trackio up to date with the row just written."""
     if os.environ.get("AUTOLAB_TRACKING", "1") in ("0", "false", "off"):
         return
     if not tracked(row):
         return
     try:
-        sync(lab.root, lab.name)
+        sync(paths.root, lab_name)
     except Exception as e:  # tracking must never stop the controller
-        print(f"warning: trackio sync for {name} failed: {e}", file=sys.stderr)
+        print(f"warning: trackio sync for {row.get('experiment_id')} failed: {e}",
+              file=sys.stderr)
 
 
 def show(lab_root: Path, lab_name: str, host: str = "127.0.0.1", port: int | None = None,

@@ -1,0 +1,486 @@
+"""The engine: every decision about a lab's experiments, for both front ends.
+
+The pure core (`controller.core.reconcile`) says what an experiment's status
+should be and which effects move it there. The engine is the one place that
+observes the world for it and carries those effects out, for the local loop
+and the operator alike:
+
+    front end (a file changed, a kopf event, a timer)
+        -> Engine.reconcile(name)
+             observe: the experiment (StatusStore), its run (a backend), the
+                      master (MasterOfRecord), the ledger, its worktree
+             -> reconcile(World) -> Decision(status, intents, events, finalized)
+             -> write the status, emit the events, carry out the intents:
+                materialise (checks, duplicate lookup), acquire-slot (the slot
+                book), submit / cancel (a backend), promote (compare-and-swap
+                on the master), record (one ledger row, then the research notes
+                and Trackio), cleanup
+             again until no intent is left
+        -> Engine.baseline(): measure a master nobody has measured
+
+What differs between the front ends sits behind three small seams, and only
+there: where an experiment and its status live (`StatusStore`: JSON files
+under `.autolab/status`, or the custom resource's status), where the master
+lives (`MasterOfRecord`: `research/live/master.json`, or the master
+ConfigMap), and how events are told (`EventSink`: a JSONL file per
+experiment, or Kubernetes Events).
+
+The policies, decided here once:
+
+- Baseline. A master with no val_bpb is measured before any experiment runs
+  (the core waits; no slot is handed out). Each attempt is its own run,
+  `baseline-<lab>-<hash>-<n>`, with its own ledger row; a failed attempt is
+  tried again, up to BASELINE_ATTEMPTS per engine (per controller start), then
+  the lab waits for a person: the local loop stops and says so, the operator
+  marks the Lab not Ready. The baseline asks for what a default experiment
+  asks (one GPU), so the master and its candidates are measured alike.
+- Measured. A run measured its candidate when its ledger row is `succeeded`,
+  `failed` or `baseline` (`controller.lab.ledger.MEASURED`); a repeat of a
+  measured candidate, of the master, or of a candidate in flight is a
+  Duplicate and spends no run.
+- The spec that runs is the spec that was checked: a copy is kept when the
+  checks pass (`.autolab/specs/<key>.json`) and used from then on; later edits
+  are reported (SpecChangeIgnored) and ignored.
+- Slots. One slot book per lab, filled from the statuses as written; the core
+  asks for a slot (`acquire-slot`) only when it would submit, and the book
+  answers by priority, then first come. Capacity is the backend's: the
+  machine's GPUs (local), `gpuSlots` jobs at once (Hugging Face; one when
+  unset), `gpuSlots` or the cluster's scheduler (Kubernetes).
+- Cleanup. After the ledger row: the worktree goes (the branch of a run
+  stays: it is the experiment DAG) and the backend's objects go
+  (`Backend.cleanup`); the status goes only when both are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from controller.backends import Backend, RunRequest
+from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
+                                      with_recovery)
+from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
+                                       Event, Master, PromotionResult, RunObservation, World,
+                                       baseline_run_name, reconcile, reconcile_baseline, run_name)
+from controller.core.slots import SlotBook
+from controller.core.spec import ExperimentSpec, LabSpec
+from controller.lab.clock import utcnow
+from controller.lab.ledger import Ledger
+from controller.lab.memory import remember_quietly
+from controller.lab.paths import LabPaths
+from controller.lab.repo import LabRepo, atomic_write, recorded_duplicate
+from controller.lab.tracking import track_quietly
+
+MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
+BASELINE_GPUS = 1  # what a default experiment asks (ExperimentSpec.gpus)
+
+
+# --- the seams ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Observed:
+    """One experiment as its front end stores it."""
+
+    name: str
+    key: str                  # names the kept copy of its checked spec (a name, or a uid)
+    spec: dict | None         # the spec as it is now (None: it is gone)
+    status: dict
+    generation: int = 1
+    deleting: bool = False
+    spec_error: str | None = None  # the front end's own refusal of the spec (schema, backend)
+    owner: dict | None = None      # in a cluster: the ownerReference of what its run creates
+
+
+class StatusStore(Protocol):
+    """Where experiments and their statuses live."""
+
+    def read(self, name: str) -> Observed | None: ...
+
+    def write_status(self, name: str, status: dict) -> None: ...
+
+    def finalized(self, name: str) -> None:
+        """The experiment is recorded and cleaned up and was deleted: let it go."""
+
+
+class MasterOfRecord(Protocol):
+    """Where the master lives."""
+
+    def master(self) -> Master: ...
+
+    def source(self) -> str: ...
+
+    def before_checks(self) -> None:
+        """Bring the lab repo's master in step before a candidate is checked against it."""
+
+    def promote(self, name: str, commit: str, source: str, val_bpb: float,
+                hashes: tuple[str, str], parent: str, now: str) -> PromotionResult: ...
+
+    def set_metric(self, master: Master, val_bpb: float) -> None: ...
+
+
+class EventSink(Protocol):
+    def experiment(self, name: str, event: Event) -> None: ...
+
+    def lab(self, event: Event) -> None: ...
+
+    def lab_changed(self) -> None:
+        """A phase or the master changed (the operator mirrors it onto the Lab's status)."""
+
+
+# After a ledger row is written: (paths, lab name, surface, row, checked spec, status).
+Hook = Callable[[LabPaths, str, str, dict, "dict | None", "dict | None"], None]
+DEFAULT_HOOKS: tuple[Hook, ...] = (remember_quietly, track_quietly)
+
+
+def capacity(backend: str, lab: LabSpec, visible: Callable[[int], list[str]]) -> list[str] | None:
+    """The slot ids of a backend: None where the backend schedules by itself."""
+    if backend == "hf":
+        return [f"hf-{i}" for i in range(max(1, lab.gpu_slots))]
+    if backend == "kubernetes":
+        return [f"slot-{i}" for i in range(lab.gpu_slots)] if lab.gpu_slots > 0 else None
+    return visible(lab.gpu_slots)
+
+
+class BaselineFailed(RuntimeError):
+    """The master could not be measured in BASELINE_ATTEMPTS attempts: a person must look."""
+
+
+@dataclass
+class BaselineState:
+    run: str | None = None         # this attempt's run name
+    state: str = "measured"        # measured | running | waiting | failed
+    message: str = ""
+    slot: str | None = None
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+@dataclass
+class Engine:
+    """Decides for one lab. Front ends give it their seams and backends; it does the rest."""
+
+    paths: LabPaths
+    lab_name: str
+    lab: LabSpec
+    statuses: StatusStore
+    master: MasterOfRecord
+    events: EventSink
+    backends: dict[str, Backend]
+    make_backend: Callable[[str], Backend]  # builds a backend the first time one is named
+    visible_slots: Callable[[int], list[str]]
+    local_means: str = "local"              # in a cluster, "local" (the default) means its Jobs
+    lab_owner: dict | None = None           # in a cluster: the Lab's ownerReference
+    hooks: tuple[Hook, ...] = DEFAULT_HOOKS
+    repo: LabRepo = field(init=False)
+    ledger: Ledger = field(init=False)
+    book: SlotBook = field(init=False)
+    lock: threading.RLock = field(init=False)  # the lab repo and the master: one at a time
+    baseline_failures: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.repo = LabRepo(self.paths.root, self.lab)
+        self.ledger = Ledger(self.paths.ledger)
+        self.book = SlotBook(self.slot_ids())
+        self.lock = threading.RLock()
+        self.baseline_failures = {}
+
+    # -- configuration ---------------------------------------------------------------------------
+    def set_lab(self, lab: LabSpec) -> None:
+        if lab != self.lab:
+            self.lab = lab
+            self.repo.lab = lab
+            for b in self.backends.values():
+                if hasattr(b, "lab"):
+                    b.lab = lab
+            self.book.resize(self.slot_ids())
+
+    def slot_ids(self) -> list[str] | None:
+        return capacity(self.default_backend, self.lab, self.visible_slots)
+
+    @property
+    def default_backend(self) -> str:
+        """The lab's backend, where its baseline runs and whose capacity its slots are."""
+        return self.local_means if self.lab.backend == "local" else self.lab.backend
+
+    def backend(self, name: str) -> Backend:
+        name = self.local_means if name == "local" else name
+        if name not in self.backends:
+            self.backends[name] = self.make_backend(name)
+        return self.backends[name]
+
+    # -- the slot book -----------------------------------------------------------------------------
+    def observe_all(self, observed: list[tuple[str, dict, int]]) -> None:
+        """Fill the slot book afresh from (name, status, priority) as written."""
+        self.book = SlotBook(self.slot_ids())
+        for name, status, priority in observed:
+            try:
+                self.book.observe(name, status, priority)
+            except Exception:  # a status too broken to read holds nothing
+                self.book.forget(name)
+
+    def duplicate_of(self, name: str, c: Candidate) -> str | None:
+        """What a checked candidate repeats: the master, a measured run, or a run in flight."""
+        hit = recorded_duplicate(self.repo, self.ledger, name, c)
+        if hit or c.refusal:
+            return hit
+        return self.book.claim(name, (c.candidate_hash, c.semantic_hash))
+
+    # -- the checked spec ---------------------------------------------------------------------------
+    def checked_spec(self, key: str) -> dict | None:
+        p = self.paths.checked_spec(key)
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def _keep_checked_spec(self, key: str, spec: dict) -> None:
+        atomic_write(self.paths.checked_spec(key), json.dumps(spec, sort_keys=True) + "\n")
+
+    def spec_of(self, obs: Observed) -> tuple[ExperimentSpec | None, dict | None, str | None]:
+        """The spec that runs (the checked copy once there is one), its dict, and any refusal."""
+        if obs.spec_error:
+            return None, obs.spec, obs.spec_error
+        doc = self.checked_spec(obs.key) or obs.spec
+        if doc is None:
+            return None, None, None
+        try:
+            spec = ExperimentSpec.from_dict(doc)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return None, doc, f"spec: {e}"
+        return spec, doc, None
+
+    # -- one experiment ------------------------------------------------------------------------------
+    def reconcile(self, name: str, deleting: bool = False) -> Decision | None:
+        """Observe, reconcile and act until nothing is left to do. None if it is gone."""
+        obs = self.statuses.read(name)
+        if obs is None:
+            return None
+        try:
+            decision = self._pass(obs, deleting or obs.deleting)
+        except Exception:
+            # The slot book is the lab's: what a failed pass granted or claimed goes back to
+            # what the written status says.
+            self._restore(name)
+            raise
+        if not decision.finalized and failing(decision.status):
+            recovered = with_recovery(decision.status, utcnow())  # a pass that failed before
+            if recovered is not None:
+                self.statuses.write_status(name, recovered)
+        return decision
+
+    def _restore(self, name: str) -> None:
+        try:
+            obs = self.statuses.read(name)
+        except Exception:  # unreadable: the next pass observes it again
+            return
+        if obs is None:
+            self.book.forget(name)
+            return
+        try:
+            self.book.observe(name, obs.status, int((obs.spec or {}).get("priority", 0)))
+        except Exception:
+            self.book.forget(name)
+
+    def _pass(self, obs: Observed, deleting: bool) -> Decision:
+        name = obs.name
+        spec, spec_doc, spec_error = self.spec_of(obs)
+        priority = spec.priority if spec else 0
+        st = obs.status
+        run: RunObservation | None = None
+        job = st.get("job")
+        if job and (st.get("phase") in ACTIVE or (deleting and st.get("phase") not in TERMINAL)):
+            run = self.backend(job["backend"]).observe(job["name"])
+        candidate: Candidate | None = None
+        duplicate = None
+        promotion: PromotionResult | None = None
+        slot: str | None = None
+        decision: Decision | None = None
+        for _ in range(MAX_STEPS):
+            job = st.get("job") or {}
+            w = World(name=name, spec=spec, lab=self._world_lab(), master=self.master.master(),
+                      now=utcnow(), status=st, spec_error=spec_error, generation=obs.generation,
+                      deleting=deleting, candidate=candidate, duplicate_of=duplicate, slot=slot,
+                      run=run, promotion=promotion,
+                      recorded=self.ledger.has_run(job.get("name") or run_name(name)),
+                      worktree=self._leftovers(name, st))
+            decision = reconcile(w)
+            if slot is not None and "submit" not in decision.kinds():
+                self.book.release(name)
+                slot = None
+            if decision.status != st:
+                phase_changed = decision.status.get("phase") != st.get("phase")
+                self.statuses.write_status(name, decision.status)
+                st = decision.status
+                self.book.observe(name, st, priority)
+                if phase_changed:
+                    self.events.lab_changed()
+            for event in decision.events:
+                self.events.experiment(name, event)
+            if not decision.intents:
+                break
+            waiting = False
+            for intent in decision.intents:
+                a = intent.args
+                if intent.kind == "materialise":
+                    with self.lock:
+                        self.master.before_checks()
+                        candidate = self.repo.materialise(name, spec)
+                        duplicate = self.duplicate_of(name, candidate)
+                    if not candidate.refusal and spec_doc is not None:
+                        self._keep_checked_spec(obs.key, spec_doc)
+                elif intent.kind == "acquire-slot":
+                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now)
+                    waiting = slot is None
+                elif intent.kind == "submit":
+                    slot = None  # used once
+                    run = self.backend(a["backend"]).submit(self._request(obs, spec, a))
+                elif intent.kind == "cancel":
+                    run = self.backend(a["backend"]).cancel(a["run"])
+                elif intent.kind == "promote":
+                    with self.lock:
+                        promotion = self.master.promote(
+                            name, st["commit"], self.repo.candidate_source(name), a["val_bpb"],
+                            (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
+                            utcnow())
+                    if promotion.promoted:
+                        self.events.lab(Event("Normal", "Promoted",
+                                              f"{name} is the new master: val_bpb "
+                                              f"{a['val_bpb']:.6f} (was "
+                                              f"{promotion.master_val_bpb})."))
+                        self.events.lab_changed()
+                elif intent.kind == "record":
+                    self._record(dict(a["row"]), spec_doc, st)
+                elif intent.kind == "cleanup":
+                    with self.lock:
+                        # Branches of experiments that ran stay: they are the experiment DAG.
+                        self.repo.cleanup(name, keep_branch=bool(st.get("job")))
+                    if st.get("job"):
+                        self.backend(st["job"]["backend"]).cleanup(st["job"]["name"])
+            if waiting:
+                break  # no slot yet: the status says so; a later pass asks again
+        assert decision is not None
+        if decision.finalized:
+            self.paths.checked_spec(obs.key).unlink(missing_ok=True)
+            self.book.forget(name)
+            self.statuses.finalized(name)
+        return decision
+
+    def _world_lab(self) -> LabSpec:
+        if self.lab.backend != self.default_backend:
+            return dataclasses.replace(self.lab, backend=self.default_backend)
+        return self.lab
+
+    def _leftovers(self, name: str, st: dict) -> bool:
+        if self.repo.has_worktree(name):
+            return True
+        job = st.get("job")
+        if not job or st.get("phase") not in TERMINAL:
+            return False
+        return self.backend(job["backend"]).leftovers(job["name"])
+
+    def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict) -> RunRequest:
+        assert spec is not None
+        return RunRequest(run=a["run"], experiment=obs.name, campaign=spec.campaign,
+                          candidate_source=self.repo.candidate_source(obs.name),
+                          candidate_path=str(self.repo.worktree_path(obs.name) / self.lab.surface),
+                          slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
+                          budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
+                          overrides=spec.hf, owner=obs.owner)
+
+    def _record(self, row: dict, spec: dict | None, status: dict | None) -> bool:
+        """Append one ledger row (once per run id), then the after-record hooks."""
+        row["created_at"] = utcnow()
+        if not self.ledger.append(row):
+            return False
+        for hook in self.hooks:
+            hook(self.paths, self.lab_name, self.lab.surface, row, spec, status)
+        return True
+
+    def tell_failure(self, name: str, error: Exception) -> str:
+        """Put a failed pass on the experiment's status and events, once per message."""
+        message = failure_message(name, error)
+        try:
+            obs = self.statuses.read(name)
+        except Exception:
+            return message
+        if obs is None:
+            return message
+        new = with_failure(obs.status, message, utcnow())
+        if new is not None:
+            self.statuses.write_status(name, new)
+            self.events.experiment(name, Event("Warning", RECONCILE_ERROR, message))
+        return message
+
+    # -- the master's baseline -------------------------------------------------------------------------
+    def baseline(self) -> BaselineState:
+        """Measure a master nobody has measured (see the module docstring for the policy)."""
+        m = self.master.master()
+        if m.val_bpb is not None:
+            return BaselineState()
+        attempt = 1 + sum(1 for r in self.ledger.rows()
+                          if r.get("experiment_id") == "baseline"
+                          and r.get("candidate_hash") == m.hash and r.get("status") == "error")
+        name = baseline_run_name(self.lab_name, m, attempt)
+        failures = self.baseline_failures.get(m.hash, 0)
+        if failures >= BASELINE_ATTEMPTS:
+            last = baseline_run_name(self.lab_name, m, attempt - 1)
+            return BaselineState(last, "failed", f"the master's baseline failed {failures} times; "
+                                 f"the last attempt was run {last}")
+        backend = self.backend(self.default_backend)
+        obs = backend.observe(name)
+        slot = None
+        if obs.state in ("queued", "running"):
+            slot = self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
+        elif obs.state == "missing":
+            slot = self.book.hold(name)
+        intents = reconcile_baseline(m, obs, slot, self.ledger.has_run(name))
+        state = BaselineState(name, "running" if obs.state in ("queued", "running") else "waiting",
+                              slot=slot)
+        if obs.state == "missing" and "submit" not in [i.kind for i in intents]:
+            self.book.release(name)
+        for intent in intents:
+            a = intent.args
+            if intent.kind == "submit":
+                backend.submit(self._baseline_request(m, name, a["slot"]))
+                state.state = "running"
+                self.events.lab(Event("Normal", "BaselineSubmitted",
+                                      f"The master {m.hash[:12]} has no val_bpb yet; run {name} "
+                                      "measures it first."))
+            elif intent.kind == "record":
+                self._record(dict(a["row"], backend=self.default_backend), None, None)
+            elif intent.kind == "set-master-metric":
+                with self.lock:
+                    self.master.set_metric(m, a["val_bpb"])
+                backend.cleanup(name)
+                self.book.release(name)
+                state = BaselineState(name, "measured")
+                self.events.lab(Event("Normal", "BaselineMeasured",
+                                      f"The master {m.hash[:12]} measures val_bpb "
+                                      f"{a['val_bpb']:.6f}; experiments may run."))
+                self.events.lab_changed()
+            elif intent.kind == "resubmit-baseline":
+                self.baseline_failures[m.hash] = failures + 1
+                left = BASELINE_ATTEMPTS - failures - 1
+                backend.cleanup(name)
+                self.book.release(name)
+                why = a.get("reason") or "no reason given"
+                state = BaselineState(name, "failed" if left <= 0 else "waiting",
+                                      f"the baseline run {name} failed: {why}")
+                self.events.lab(Event(
+                    "Warning", "BaselineFailed", f"The baseline run {name} failed: {why}; " + (
+                        f"trying again ({left} attempts left)." if left > 0 else
+                        "no attempts left: fix the cause (see the ledger and the run's log), "
+                        "then start the controller again.")))
+                self.events.lab_changed()
+        return state
+
+    def _baseline_request(self, m: Master, name: str, slot: str | None) -> RunRequest:
+        source = self.master.source()
+        path = self.paths.state / "baseline" / m.hash[:12] / Path(self.lab.surface).name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source, encoding="utf-8")
+        return RunRequest(run=name, experiment="baseline", campaign="", candidate_source=source,
+                          candidate_path=str(path), slot=slot, profile=self.lab.profile,
+                          data=self.lab.data, budget_seconds=self.lab.budget_seconds,
+                          gpus=BASELINE_GPUS, owner=self.lab_owner)

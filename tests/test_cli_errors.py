@@ -1,0 +1,256 @@
+"""`autolab` never shows a traceback for a known failure: one line on stderr, `error: what went
+wrong; what to do`, exit 1. Each test runs the real executable against a really broken lab
+(a damaged git repo, a hand-edited ledger, Hugging Face out of reach, a reader that hangs up,
+a full disk). A bug (an unknown exception) keeps its traceback; Ctrl-C exits 130 quietly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.cli.lab import init_lab
+from controller.cli.main import known_failure
+from controller.lab.ledger import COLUMNS
+from hf_server import FakeJobsServer
+
+AUTOLAB = Path(sys.executable).with_name("autolab")
+COMMAND = [str(AUTOLAB)] if AUTOLAB.exists() else [sys.executable, "-m", "controller.cli.main"]
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def seed_lab(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("seed")
+    init_lab(root / "lab", profile="tiny", data="synthetic")
+    return root / "lab"
+
+
+@pytest.fixture()
+def lab(seed_lab, tmp_path) -> Path:
+    """A fresh copy of a tiny lab (git repo and all), for one test to break."""
+    return Path(shutil.copytree(seed_lab, tmp_path / "lab", symlinks=True))
+
+
+@pytest.fixture()
+def env(tmp_path) -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("HF_", "HUGGING_FACE", "GIT_", "AUTOLAB_"))}
+    e.update(GIT_CEILING_DIRECTORIES=str(tmp_path),  # a broken lab repo never finds a parent's
+             HF_HOME=str(tmp_path / "hf-home"), AUTOLAB_TRACKING="0")
+    e.pop("PYTHONUNBUFFERED", None)  # stdout block-buffered into a pipe, as from a shell
+    return e
+
+
+def autolab(*args: str, env: dict, stdout=subprocess.PIPE, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run([*COMMAND, *args], env=env, stdout=stdout, stderr=subprocess.PIPE,
+                       text=True, timeout=TIMEOUT, **kw)
+    p.stdout = p.stdout or ""
+    return p
+
+
+def one_error_line(p: subprocess.CompletedProcess) -> str:
+    """The process failed as a known failure should: exit 1, one `error:` line, no traceback."""
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: "), p.stderr
+    assert "; " in lines[0], f"no advice after the failure: {lines[0]}"
+    return lines[0]
+
+
+# -- git ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["objects", "HEAD"])
+def test_a_broken_lab_repo_is_one_line_naming_git(lab, env, damage):
+    if damage == "objects":
+        shutil.rmtree(lab / ".git" / "objects")
+        (lab / ".git" / "objects").mkdir()
+    else:
+        (lab / ".git" / "HEAD").unlink()
+    line = one_error_line(autolab("worktree", "scratch", "--lab", str(lab), env=env))
+    assert "git" in line and "fsck" in line
+
+
+# -- ledger ------------------------------------------------------------------------------------
+
+def test_a_ledger_with_a_foreign_header_is_one_line(lab, env):
+    ledger = lab / "research" / "results.tsv"
+    ledger.write_text("this\tis not\tthe header\nrow\t1\t2\n")
+    line = one_error_line(autolab("ledger", "--lab", str(lab), env=env))
+    assert "results.tsv" in line and "header" in line
+
+
+def big_ledger(lab: Path, rows: int = 20_000) -> None:
+    lines = ["\t".join(COLUMNS)]
+    for i in range(rows):
+        r = dict.fromkeys(COLUMNS, "")
+        r.update(run_id=f"run-{i}", created_at="2026-01-01T00:00:00Z", status="succeeded",
+                 experiment_id=f"exp-{i}", campaign="lr", val_bpb="1.234567",
+                 candidate_hash=f"{i:040x}", comment="a comment " * 6)
+        lines.append("\t".join(r[c] for c in COLUMNS))
+    (lab / "research" / "results.tsv").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("output", ["table", "tsv"])
+def test_a_reader_that_hangs_up_gets_no_noise(lab, env, output):
+    """`autolab ledger | head -1` on a big ledger: nothing on stderr, no 'Exception ignored'."""
+    big_ledger(lab)
+    p = subprocess.Popen([*COMMAND, "ledger", "-o", output, "--lab", str(lab)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = p.stdout.readline()
+        p.stdout.close()  # the reader is gone; megabytes are still to be written
+        err = p.stderr.read().decode()
+        rc = p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert first.split()[0] in (b"RUN_ID", b"run_id")
+    assert err == "", err
+    # The table is printed row by row: the write that finds the pipe closed fails, and autolab
+    # exits 1. The tsv is one write of the whole file, which CPython reports as done when the
+    # reader hangs up in the middle (a short write), so it may end 0: quietly either way.
+    assert rc == 1 if output == "table" else rc in (0, 1)
+
+
+# -- files -------------------------------------------------------------------------------------
+
+def test_a_missing_file_of_the_lab_is_one_line_naming_it(lab, env):
+    (lab / "research" / "live" / "master.json").unlink()
+    line = one_error_line(autolab("master", "--lab", str(lab), env=env))
+    assert "master.json" in line and "No such file" in line
+
+
+def test_a_full_disk_is_one_line_and_nothing_at_exit(lab, env):
+    big_ledger(lab, rows=2000)
+    with open("/dev/full", "w") as full:
+        p = autolab("ledger", "--lab", str(lab), env=env, stdout=full)
+    line = one_error_line(p)
+    assert "No space left" in line and "free some disk space" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the mode says")
+def test_permission_denied_is_one_line(lab, env):
+    (lab / "research" / "live").chmod(0)
+    try:
+        line = one_error_line(autolab("master", "--lab", str(lab), env=env))
+    finally:
+        (lab / "research" / "live").chmod(0o755)
+    assert "Permission denied" in line and "permissions" in line
+
+
+# -- Hugging Face ------------------------------------------------------------------------------
+
+def closed_port() -> str:
+    import socket
+    with socket.socket() as s:  # a port nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("command", [["hf", "jobs"], ["hf", "prepare"]])
+def test_hugging_face_out_of_reach_is_one_line(lab, env, command):
+    env.update(HF_ENDPOINT=closed_port(), HF_TOKEN="hf_fakeTokenForAClosedPort0001")
+    line = one_error_line(autolab(*command, "--lab", str(lab), env=env))
+    assert "cannot reach" in line and "HF_ENDPOINT" in line
+
+
+def test_a_rejected_token_is_one_line_without_the_token(lab, env, tmp_path):
+    srv = FakeJobsServer("hf_theRightTokenIsNotThis000001", work_dir=tmp_path).start()
+    try:
+        env.update(HF_ENDPOINT=srv.url, HF_TOKEN="hf_aWrongTokenThatMustNotShow02")
+        p = autolab("hf", "jobs", "--lab", str(lab), env=env)
+    finally:
+        srv.stop()
+    line = one_error_line(p)
+    assert "401" in line and "hf auth login" in line
+    assert "hf_aWrongTokenThatMustNotShow02" not in p.stdout + p.stderr
+
+
+# -- what did not change -----------------------------------------------------------------------
+
+def test_spec_and_cli_errors_read_as_before(lab, env, tmp_path):
+    p = autolab("get", "--lab", str(tmp_path / "nowhere"), env=env)
+    assert one_error_line(p) == (f"error: {tmp_path / 'nowhere'}: not a lab (no lab.yaml); "
+                                 "create one with `autolab init DIR` or pass --lab DIR")
+    p = autolab("describe", "nosuch", "--lab", str(lab), env=env)
+    assert p.returncode == 1 and p.stderr == "error: experiment 'nosuch' not found\n"
+    p = autolab("init", str(lab), "--profile", "tiny", "--data", "synthetic", env=env)
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
+def test_malformed_yaml_on_stdin_is_one_line(lab, env):
+    p = autolab("apply", "-f", "-", "--lab", str(lab), env=env, input="a: [1, 2\nb: }\n")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.startswith("error: <stdin>: malformed")
+
+
+def run_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def test_a_bug_keeps_its_traceback(lab, env):
+    p = run_python("import sys\nfrom controller.cli import lab, main\n"
+                   "lab.cmd_master = lambda a: {}['no such key']\n"
+                   f"sys.exit(main.main(['master', '--lab', {str(lab)!r}]))", env)
+    assert p.returncode == 1 and "Traceback" in p.stderr and "KeyError" in p.stderr
+
+
+def test_ctrl_c_exits_130_quietly(lab, env):
+    p = run_python("import sys\nfrom controller.cli import lab, main\n"
+                   "def interrupted(a):\n    raise KeyboardInterrupt\n"
+                   "lab.cmd_master = interrupted\n"
+                   f"sys.exit(main.main(['master', '--lab', {str(lab)!r}]))", env)
+    assert (p.returncode, p.stderr) == (130, "")
+
+
+def test_the_cli_imports_no_cluster_or_hub_client(env):
+    p = run_python("import sys, controller.cli.main\n"
+                   "heavy = {'kubernetes', 'kopf', 'huggingface_hub', 'httpx', 'httpx2', "
+                   "'requests', 'urllib3', 'aiohttp'}\n"
+                   "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))", env)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+# -- failures no quick CLI path reaches: the classifier, in process ------------------------------
+
+def test_cluster_failures_read_as_one_line():
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+
+    from controller.kube.cluster import ClusterError
+
+    forbidden = ApiException(status=403, reason="Forbidden")
+    forbidden.body = '{"kind": "Status", "message": "configmaps is forbidden:\\nno RBAC"}'
+    unreachable = MaxRetryError(None, "/api/v1/namespaces", NewConnectionError(
+        None, "Failed to establish a new connection: [Errno 111] Connection refused"))
+    for e, words in [(forbidden, ["403", "forbidden", "RBAC"]),
+                     (unreachable, ["Connection refused", "kubeconfig"]),
+                     (ClusterError("the master ConfigMap autolab/m kept changing"), ["kubectl"]),
+                     (ClusterError("x is missing; the operator creates it"), ["operator"])]:
+        line = known_failure(e)
+        assert line and "\n" not in line and "; " in line, line
+        assert all(w in line for w in words), line
+
+
+def test_other_known_failures_read_as_one_line(tmp_path):
+    from filelock import Timeout
+
+    from controller.backends.local import HarnessError
+    from controller.local import BaselineFailed
+
+    for e in [Timeout(str(tmp_path / "x.lock")),
+              HarnessError("git returned other bytes for bench/train.py (abc)"),
+              BaselineFailed("the master's baseline run b failed: OOM; see log, then remove d"),
+              PermissionError(13, "Permission denied", str(tmp_path / "f")),
+              OSError(28, "No space left on device")]:
+        line = known_failure(e)
+        assert line and "\n" not in line and "; " in line, (e, line)
+    assert known_failure(ZeroDivisionError("a bug")) is None
+    assert known_failure(OSError("no errno, no file: unknown")) is None
