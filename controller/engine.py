@@ -63,10 +63,10 @@ from typing import Callable, Protocol
 from controller.backends import Backend, RunRequest
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
-from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
-                                       Event, Master, PromotionResult, RunObservation, World,
+from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master, PromotionResult, RunObservation, World,
                                        baseline_run_name, reconcile, reconcile_baseline, run_name)
 from controller.core.slots import SlotBook
+from controller.core.status import ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
 from controller.lab.clock import utcnow
 from controller.lab.ledger import Ledger
@@ -143,6 +143,11 @@ def capacity(backend: str, lab: LabSpec, visible: Callable[[int], list[str]]) ->
     if backend == "kubernetes":
         return [f"slot-{i}" for i in range(lab.gpu_slots)] if lab.gpu_slots > 0 else None
     return visible(lab.gpu_slots)
+
+
+def _priority(spec: dict | None) -> int:
+    p = (spec or {}).get("priority", 0)
+    return p if isinstance(p, int) else 0
 
 
 class BaselineFailed(RuntimeError):
@@ -251,13 +256,18 @@ class Engine:
         return spec, doc, None
 
     # -- one experiment ------------------------------------------------------------------------------
-    def reconcile(self, name: str, deleting: bool = False) -> Decision | None:
-        """Observe, reconcile and act until nothing is left to do. None if it is gone."""
+    def reconcile(self, name: str, deleting: bool = False,
+                  schedule: bool = True) -> Decision | None:
+        """Observe, reconcile and act until nothing is left to do. None if it is gone.
+
+        `schedule=False` leaves a slot request unanswered this time (a front end that checks
+        a batch of new specs first, so their priorities are weighed together, then schedules).
+        """
         obs = self.statuses.read(name)
         if obs is None:
             return None
         try:
-            decision = self._pass(obs, deleting or obs.deleting)
+            decision = self._pass(obs, deleting or obs.deleting, schedule)
         except Exception:
             # The slot book is the lab's: what a failed pass granted or claimed goes back to
             # what the written status says.
@@ -278,19 +288,19 @@ class Engine:
             self.book.forget(name)
             return
         try:
-            self.book.observe(name, obs.status, int((obs.spec or {}).get("priority", 0)))
+            self.book.observe(name, obs.status, _priority(obs.spec))
         except Exception:
             self.book.forget(name)
 
-    def _pass(self, obs: Observed, deleting: bool) -> Decision:
+    def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         name = obs.name
         spec, spec_doc, spec_error = self.spec_of(obs)
         priority = spec.priority if spec else 0
         st = obs.status
+        view = ExperimentStatus.parse(st)  # a status that is not one fails here, and says why
         run: RunObservation | None = None
-        job = st.get("job")
-        if job and (st.get("phase") in ACTIVE or (deleting and st.get("phase") not in TERMINAL)):
-            run = self.backend(job["backend"]).observe(job["name"])
+        if view.job and (view.active or (deleting and not view.terminal)):
+            run = self.backend(view.job.backend).observe(view.job.name)
         candidate: Candidate | None = None
         duplicate = None
         promotion: PromotionResult | None = None
@@ -330,7 +340,8 @@ class Engine:
                     if not candidate.refusal and spec_doc is not None:
                         self._keep_checked_spec(obs.key, spec_doc)
                 elif intent.kind == "acquire-slot":
-                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now)
+                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now) \
+                        if schedule else None
                     waiting = slot is None
                 elif intent.kind == "submit":
                     slot = None  # used once
@@ -374,10 +385,10 @@ class Engine:
     def _leftovers(self, name: str, st: dict) -> bool:
         if self.repo.has_worktree(name):
             return True
-        job = st.get("job")
-        if not job or st.get("phase") not in TERMINAL:
+        view = ExperimentStatus.parse(st)
+        if not view.job or not view.terminal:
             return False
-        return self.backend(job["backend"]).leftovers(job["name"])
+        return self.backend(view.job.backend).leftovers(view.job.name)
 
     def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict) -> RunRequest:
         assert spec is not None

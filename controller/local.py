@@ -35,6 +35,7 @@ from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
 from controller.core.spec import LabSpec, SpecError, trackable, validate_document
+from controller.core.status import ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import utcnow
 from controller.lab.paths import LAB_FILE, LabPaths
@@ -164,7 +165,7 @@ class LocalEvents:
     """EventSink: one JSONL file per experiment, and one for the lab."""
 
     def __init__(self, lab: "LocalLab"):
-        self.lab = lab
+        self.local = lab
 
     def _append(self, path: Path, events: list[Event]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,10 +175,10 @@ class LocalEvents:
                                     "message": e.message}) + "\n")
 
     def experiment(self, name: str, event: Event) -> None:
-        self._append(self.lab.paths.events_file(name), [event])
+        self._append(self.local.paths.events_file(name), [event])
 
     def lab(self, event: Event) -> None:
-        self._append(self.lab.paths.state / "events" / LAB_EVENTS, [event])
+        self._append(self.local.paths.state / "events" / LAB_EVENTS, [event])
 
     def lab_changed(self) -> None:
         pass  # `autolab get` and `autolab master` read the files as they are
@@ -285,10 +286,11 @@ class LocalLab:
     def _lock(self, name: str) -> FileLock:
         return FileLock(str(self.paths.lock(f"exp-{name}")))
 
-    def reconcile_one(self, name: str, deleting: bool = False) -> Decision | None:
+    def reconcile_one(self, name: str, deleting: bool = False,
+                      schedule: bool = True) -> Decision | None:
         """One engine pass over `name`, under its file lock (`autolab delete` may run beside)."""
         with self._lock(name):
-            return self.engine.reconcile(name, deleting=deleting)
+            return self.engine.reconcile(name, deleting=deleting, schedule=schedule)
 
     def _planning_record(self, name: str) -> dict:
         """A record to plan a pass with; one that cannot be read, or is mis-shaped, reads as {}.
@@ -297,20 +299,15 @@ class LocalLab:
         """
         try:
             r = self.read_record(name)
-        except (OSError, ValueError):
+            ExperimentStatus.parse(r.get("status"))
+        except (OSError, ValueError, AttributeError):  # StatusError is a ValueError
             return {}
-        st = (r.get("status") or {}) if isinstance(r, dict) else None
-        spec = (r.get("spec") or {}) if isinstance(r, dict) else None
-        text = (str, type(None))
-        ok = (isinstance(st, dict) and isinstance(spec, dict)
-              and all(isinstance(st.get(k), text) for k in ("phase", "createdAt", "queuedAt",
-                                                             "candidateHash", "semanticHash"))
-              and isinstance(st.get("job") or {}, dict)
-              and isinstance((st.get("job") or {}).get("slot"), text)
-              and isinstance(spec.get("priority", 0), int))
+        spec = r.get("spec") or {}
+        ok = isinstance(spec, dict) and isinstance(spec.get("priority", 0), int)
         return r if ok else {}
 
-    def _reconcile_isolated(self, name: str, deleting: bool = False) -> str | None:
+    def _reconcile_isolated(self, name: str, deleting: bool = False,
+                            schedule: bool = True) -> str | None:
         """`reconcile_one`, with a failure kept to that experiment; returns its message, if any.
 
         One experiment's bad state must not stop the pass for all the others. The failure goes
@@ -318,7 +315,7 @@ class LocalLab:
         the next pass tries again.
         """
         try:
-            self.reconcile_one(name, deleting=deleting)
+            self.reconcile_one(name, deleting=deleting, schedule=schedule)
         except BackendConfigError:
             raise  # the lab's, not this experiment's: stop and say what to set
         except Exception as e:  # isolation is the point: whatever it is, it is this one's
@@ -374,12 +371,13 @@ class LocalLab:
         order = sorted(loaded.specs, key=lambda n: (
             (records.get(n, {}).get("status") or {}).get("createdAt") or "~",
             loaded.specs[n].path.stat().st_mtime if loaded.specs[n].path.exists() else 0, n))
-        # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment
+        # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment.
+        #    No slots yet: the new specs' priorities are weighed together in step 2.
         for n in sorted(gone):
             failures.append(self._reconcile_isolated(n, deleting=True))
         for n in order:
             if (records.get(n, {}).get("status") or {}).get("phase") in (None, "Pending"):
-                failures.append(self._reconcile_isolated(n))
+                failures.append(self._reconcile_isolated(n, schedule=False))
         # 2. the master's baseline, then everything in flight or left to settle
         records = self._observe_all()
         base = self.engine.baseline()

@@ -42,7 +42,6 @@ import collections
 import copy
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ USER_AGENT = "autolab-operator/0.1"
 
 @dataclass
 class OperatorConfig:
-    """How this operator runs (`from_env`: from AUTOLAB_* variables)."""
+    """How this operator runs (`autolab operator`'s flags; see controller/cli/operator.py)."""
 
     lab_root: Path = Path("/var/lib/autolab")
     resync_seconds: float = 30.0   # timer of runs in flight and of Labs
@@ -81,15 +80,6 @@ class OperatorConfig:
     scanning: bool = True          # kopf's namespace/CRD scanning (needs the ClusterRole)
     watch_timeout: float | None = 300.0
     workers: int | None = None     # threads for the (blocking) handlers; None: kopf's default
-
-    @classmethod
-    def from_env(cls) -> "OperatorConfig":
-        env = os.environ
-        return cls(lab_root=Path(env.get("AUTOLAB_LAB_DIR", "/var/lib/autolab")),
-                   resync_seconds=float(env.get("AUTOLAB_RESYNC_SECONDS", "30")),
-                   server=env.get("AUTOLAB_KUBE_SERVER") or None,
-                   run_image=env.get("AUTOLAB_RUN_IMAGE") or None,
-                   scanning=env.get("AUTOLAB_KOPF_SCANNING", "1") != "0")
 
 
 class LabMissing(LookupError):

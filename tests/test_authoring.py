@@ -64,7 +64,7 @@ def controller_verdict(lab: LocalLab, d: dict) -> tuple[str, str, str]:
     """Apply the spec and let the real controller check it: (phase, reason, message)."""
     name = d["metadata"]["name"]
     lab.apply_file(d, "test")
-    st = lab.reconcile_one(name, lab.load_specs().specs[name]).status
+    st = lab.reconcile_one(name, schedule=False).status
     checked = next(c for c in st["conditions"] if c["type"] == "Checked")
     return st["phase"], checked["reason"], checked["message"]
 

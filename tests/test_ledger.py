@@ -6,6 +6,7 @@ import multiprocessing as mp
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,20 @@ def test_a_torn_last_line_is_closed_before_the_next_row(tmp_path):
     assert led.has_run("exp-b-1") and led.has_run("exp-a-1")
 
 
+def test_a_line_still_being_written_is_indexed_once_complete(tmp_path):
+    path = tmp_path / "results.tsv"
+    led = Ledger(path)
+    led.append(row("exp-a-1"))
+    line = "\t".join(row("exp-b-1").get(c, "") for c in COLUMNS) + "\n"
+    with open(path, "a") as f:
+        f.write(line[:10])  # another writer's line, half there
+        f.flush()
+        assert not led.has_run("exp-b-1") and len(led.rows()) == 1
+        f.write(line[10:])
+    assert led.has_run("exp-b-1")
+    assert [r["run_id"] for r in led.rows()] == ["exp-a-1", "exp-b-1"]
+
+
 def test_a_ledger_with_foreign_columns_is_refused(tmp_path):
     path = tmp_path / "results.tsv"
     path.write_text("when\twhat\n")
@@ -102,20 +117,22 @@ def test_a_seed_ledger_is_extended_not_rewritten(tmp_path):
 
 def test_threads_and_a_second_process_resuming_at_once_write_each_run_once(tmp_path):
     """A restarted controller's resume passes, all at once: threads sharing the operator's
-    Ledger, threads with Ledgers of their own and a second process all try the same runs
-    (and some of their own). Every run must be in the file once, the header once."""
+    Ledger (and one more only looking things up on it), threads with Ledgers of their own
+    and a second process all record the same runs, and some of their own. In each of 200
+    fresh ledgers every run must be written once, the header once."""
     trials, resume = 200, [f"exp-resume{i}-1" for i in range(8)]
+    header = "\t".join(COLUMNS)
+    # One second process for all the trials, told each one's ledger over a pipe.
     helper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ledger_writer.py"))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     bad, errors = [], []
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # threads take turns often, so their races show in 200 trials
     try:
         for trial in range(trials):
             path = tmp_path / f"trial{trial}" / "results.tsv"
             shared = Ledger(path)
-            writers = [(shared, f"shared{k}") for k in range(3)] + [(None, f"own{k}") for k in range(2)]
-            barrier = threading.Barrier(len(writers) + 1)
+            writers = [(shared, f"shared{k}") for k in range(6)] + [(None, f"own{k}") for k in range(2)]
+            barrier = threading.Barrier(len(writers) + 2)  # the writers, the reader, this thread
+            finished = threading.Event()
             expected = list(resume)
 
             def ids_for(tag, k):
@@ -124,42 +141,55 @@ def test_threads_and_a_second_process_resuming_at_once_write_each_run_once(tmp_p
                 # Each writer starts the resume list somewhere else, so they meet on every id.
                 return resume[k * 3 % len(resume):] + own + resume[: k * 3 % len(resume)]
 
-            def write(ledger, ids, look_first):
+            def write(ledger, ids):
                 try:
                     ledger = ledger or Ledger(path)
                     barrier.wait(timeout=10)
                     for run_id in ids:
-                        if look_first:  # a reconcile pass looks at every run before it writes
-                            [ledger.has_run(r) or ledger.measured(f"h-{r}", None) for r in resume]
+                        # A reconcile pass looks every run up before it records one.
+                        [ledger.has_run(r) or ledger.measured(f"h-{r}", None) for r in resume]
                         ledger.append(row(run_id))
                 except Exception as e:  # noqa: BLE001 - reported below
                     errors.append(f"trial {trial}: {type(e).__name__}: {e}")
 
-            threads = [threading.Thread(target=write, args=(led, ids_for(tag, k), k != 1))
+            def look():
+                barrier.wait(timeout=10)
+                while not finished.is_set():
+                    [shared.has_run(r) for r in resume]
+                    time.sleep(0)
+
+            threads = [threading.Thread(target=write, args=(led, ids_for(tag, k)))
                        for k, (led, tag) in enumerate(writers)]
+            reader = threading.Thread(target=look)
             helper.stdin.write(f"{path}\t{' '.join(ids_for('proc', len(writers)))}\n")
             helper.stdin.flush()
             assert helper.stdout.readline() == "ready\n"
-            for t in threads:
+            for t in [*threads, reader]:
                 t.start()
             helper.stdin.write("go\n")
             helper.stdin.flush()
             barrier.wait(timeout=10)
             for t in threads:
                 t.join()
+            finished.set()
+            reader.join()
             assert (answer := helper.stdout.readline()) == "done\n", answer
 
             lines = path.read_text().splitlines()
             run_ids = [line.split("\t")[0] for line in lines[1:]]
             dupes = {r: run_ids.count(r) for r in set(run_ids) if run_ids.count(r) > 1}
-            if (lines[0] != "\t".join(COLUMNS) or "\t".join(COLUMNS) in lines[1:] or dupes
-                    or sorted(run_ids) != sorted(expected)
-                    or any(len(line.split("\t")) != len(COLUMNS) for line in lines)):
-                bad.append((trial, dupes, lines.count("\t".join(COLUMNS))))
+            file_ok = (lines[0] == header and header not in lines[1:] and not dupes
+                       and sorted(run_ids) == sorted(expected)
+                       and all(len(line.split("\t")) == len(COLUMNS) for line in lines))
+            index_ok = sorted(r["run_id"] for r in shared.rows()) == sorted(run_ids)
+            if not (file_ok and index_ok):
+                bad.append((trial, file_ok, dupes, lines.count(header), index_ok))
     finally:
-        sys.setswitchinterval(switch)
         helper.stdin.close()
         helper.wait(timeout=10)
     assert not errors, errors[:3]
-    assert not bad, (f"{len(bad)} of {trials} trials wrote a run more than once or lost one; "
-                     f"first (trial, {{run id: times written}}, headers): {bad[:3]}")
+    assert not bad, (
+        f"{sum(not b[1] for b in bad)} of {trials} trials left a bad file (a run written more "
+        f"than once or not at all, or the header repeated), {sum(not b[4] for b in bad)} left "
+        "the shared Ledger's rows() disagreeing with the file; first (trial, file ok, "
+        f"{{run id: times written}}, headers, rows() ok): {bad[:3]}")

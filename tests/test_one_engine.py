@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from kubernetes import client as k8s
 
 from controller.backends import RunRequest
 from controller.cli.lab import init_lab
+from controller.core.failures import failing
 from controller.core.reconcile import TERMINAL, RunObservation
 from controller.lab.ledger import Ledger
 from controller.lab.paths import LAB_FILE
@@ -62,8 +63,8 @@ COLUMNS = ("experiment_id", "run_id", "status", "parent_hash", "candidate_hash",
            "semantic_hash", "val_bpb", "promoted", "outcome", "reason", "delta",
            "rebased_from", "duplicate_of")
 WAIT = 20.0   # seconds the operator driver waits for one thing
-QUIET = 0.3   # seconds nothing may change for the operator to count as settled
-FINAL_QUIET = 1.2  # at the end: a few resync periods, to catch a late second submit or record
+QUIET = 0.15  # seconds nothing may change for the operator to count as settled
+FINAL_QUIET = 1.0  # at the end: a few resync periods, to catch a late second submit or record
 
 
 def baseline_run(attempt: int) -> str:
@@ -144,6 +145,7 @@ class Scenario:
     rows: list              # (run_id, status) in transcript order
     history: list           # (experiment, val_bpb) of the masters, oldest first
     runs: list              # (run, gpus, times created), sorted
+    gives_up: bool = False  # the lab ends saying its baseline failed for good
 
     def __str__(self) -> str:
         return self.name
@@ -186,37 +188,36 @@ SCENARIOS = [
         [(None, 1.0)],
         sorted(exp_runs("no-warmdown", "shallow", "lr-025"))),
     Scenario(
-        "duplicates-of-a-run-in-flight-a-measured-run-and-the-master", 1.0,
+        "duplicates-invalid-specs-and-a-conflict", 1.0,
         (Apply("first", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05"),
-         Start("first"),
+         Apply("unemb", "UNEMBEDDING_LR = 0.004", "UNEMBEDDING_LR = 0.006"),
+         Start("first"), Start("unemb"),
+         # the same program as a run in flight, and as the master
          Apply("twin", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # the same idea"),
          Apply("noop", "DEPTH = 8  # transformer blocks", "DEPTH = 8  # blocks"),
-         Finish("first", ok(1.01)),
-         Apply("again", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # again")),
-        {"first": ("Succeeded", "Rejected", "Rejected"),
-         "twin": ("Duplicate", "DuplicateCandidate", None),
-         "noop": ("Duplicate", "DuplicateCandidate", None),
-         "again": ("Duplicate", "DuplicateCandidate", None)},
-        [(run_of("again"), "duplicate"), (run_of("first"), "succeeded"),
-         (run_of("noop"), "duplicate"), (run_of("twin"), "duplicate")],
-        [(None, 1.0)],
-        exp_runs("first")),
-    Scenario(
-        "invalid-diff-invalid-spec-and-conflict", 1.0,
-        (Apply("bad-diff", "DEPTH = 8", "DEPTH = 12", mangle=("-DEPTH = 8", "-DEPTH = 7")),
+         # a diff that does not apply to its parent, and a spec with a field it may not have
+         Apply("bad-diff", "DEPTH = 8", "DEPTH = 12", mangle=("-DEPTH = 8", "-DEPTH = 7")),
          Apply("bad-spec", "DEPTH = 8", "DEPTH = 14", extra={"budget": 5}),
-         Apply("unemb", "UNEMBEDDING_LR = 0.004", "UNEMBEDDING_LR = 0.006"),
-         Start("unemb"), Finish("unemb", ok(0.95)),
+         Finish("first", ok(1.01)),
+         # the same program as a measured experiment
+         Apply("again", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # again"),
+         Finish("unemb", ok(0.95)),
          # written against the seed, on the line unemb changed: it cannot be rebased
          Apply("unemb-8", "UNEMBEDDING_LR = 0.004", "UNEMBEDDING_LR = 0.008")),
-        {"bad-diff": ("Invalid", "DiffDoesNotApply", None),
-         "bad-spec": ("Invalid", "InvalidSpec", None),
+        {"first": ("Succeeded", "Rejected", "Rejected"),
          "unemb": ("Succeeded", "Promoted", "Promoted"),
+         "twin": ("Duplicate", "DuplicateCandidate", None),
+         "noop": ("Duplicate", "DuplicateCandidate", None),
+         "bad-diff": ("Invalid", "DiffDoesNotApply", None),
+         "bad-spec": ("Invalid", "InvalidSpec", None),
+         "again": ("Duplicate", "DuplicateCandidate", None),
          "unemb-8": ("Conflict", "RebaseConflict", None)},
-        [(run_of("bad-diff"), "invalid"), (run_of("bad-spec"), "invalid"),
+        [(run_of("again"), "duplicate"), (run_of("bad-diff"), "invalid"),
+         (run_of("bad-spec"), "invalid"), (run_of("first"), "succeeded"),
+         (run_of("noop"), "duplicate"), (run_of("twin"), "duplicate"),
          (run_of("unemb"), "succeeded"), (run_of("unemb-8"), "conflict")],
         [(None, 1.0), ("unemb", 0.95)],
-        exp_runs("unemb")),
+        sorted(exp_runs("first", "unemb"))),
     Scenario(
         "cancel-running-queued-and-waiting", 1.0,
         (Apply("running", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
@@ -253,7 +254,8 @@ SCENARIOS = [
         {"patient": ("Queued", "ChecksPassed", None)},
         [(baseline_run(1), "error"), (baseline_run(2), "error"), (baseline_run(3), "error")],
         [(None, None)],
-        [(baseline_run(1), 1, 1), (baseline_run(2), 1, 1), (baseline_run(3), 1, 1)]),
+        [(baseline_run(1), 1, 1), (baseline_run(2), 1, 1), (baseline_run(3), 1, 1)],
+        gives_up=True),
     Scenario(
         "restart-with-runs-in-flight", 1.0,
         (Apply("lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
@@ -313,6 +315,19 @@ class Transcript:
     runs: list = field(default_factory=list)         # (run, gpus, times created), sorted
     snapshots: list = field(default_factory=list)    # after each step
     crashed: str | None = None                       # the driver could not go on: why
+    failures: list = field(default_factory=list)     # passes that failed (told on a status)
+    gave_up: bool = False  # the lab says its baseline failed for good (no attempts left)
+
+    def failed(self, message: str) -> None:
+        if message not in self.failures:
+            self.failures.append(message)
+
+    def watch(self, statuses: dict[str, dict]) -> None:
+        """Note every pass failure a status tells (condition Reconciled False)."""
+        for st in statuses.values():
+            if failing(st):
+                cond = next(c for c in st["conditions"] if c.get("type") == "Reconciled")
+                self.failed(cond.get("message", ""))
 
 
 def project(rows: list[dict]) -> list[tuple]:
@@ -452,7 +467,18 @@ class LocalDriver:
             return  # no controller runs
         last = None
         for _ in range(30):
-            self.lab.step()
+            try:
+                summary = self.lab.step()
+            except Exception as e:
+                # The local loop's way to say the baseline failed for good: it stops and tells.
+                if type(e).__name__ != "BaselineFailed":
+                    raise
+                self.t.gave_up = True
+            else:
+                self.t.gave_up = False
+                for error in summary.errors:
+                    self.t.failed(error)
+            self.t.watch(self.statuses())
             now = self.fingerprint()
             if now == last:
                 return
@@ -465,10 +491,12 @@ class LocalDriver:
     def pick(self, run: str, state: str) -> str:
         if run != BASELINE:
             name = run_of(run)
-            assert name in self.machine.runs, f"{name} was never submitted"
+            if name not in self.machine.runs:
+                raise AssertionError(f"{name} was never submitted")
             return name
         waiting = [r for r in self.baseline_runs() if self.machine.runs[r]["state"] == state]
-        assert waiting, f"no baseline run is {state}"
+        if not waiting:
+            raise AssertionError(f"no baseline run is {state}")
         return waiting[-1]
 
     def do(self, step: Any) -> None:
@@ -530,6 +558,21 @@ class LocalDriver:
 
 # --- the operator front end -----------------------------------------------------------------------
 
+class Logged(logging.Handler):
+    """The operator's errors (a handler that raised), to say why a driver timed out."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
+        if text not in self.messages:
+            self.messages.append(text)
+
+
 class OperatorDriver:
     """Plays the kubelet (Pods, their results, a Job's failure) and the garbage collector."""
 
@@ -564,8 +607,9 @@ class OperatorDriver:
     def submitted(self) -> list[tuple[str, int]]:
         out = []
         for job in self.created():
+            pod = job["spec"]["template"]["spec"]
             limits = [((c.get("resources") or {}).get("limits") or {}).get(GPU, "0")
-                      for c in job["spec"]["template"]["spec"]["containers"]]
+                      for c in pod.get("initContainers", []) + pod["containers"]]
             out.append((job["metadata"]["name"], max(int(x) for x in limits)))
         return out
 
@@ -636,6 +680,7 @@ class OperatorDriver:
         last, since = None, loop.time()
         while True:
             await self.collect_garbage()
+            self.t.watch(self.statuses())
             why = self.unsettled()
             now = json.dumps([self.statuses(), sorted(self.ledger_runs()),
                               sorted((n, j["metadata"]["uid"]) for n, j in self.jobs().items()),
@@ -744,6 +789,9 @@ class OperatorDriver:
         lab["spec"].update(budgetSeconds=BUDGET, capacity={"gpuSlots": SLOTS},
                            promotion={"minDelta": MIN_DELTA})
         where = "start"
+        logged = Logged()
+        for name in ("kopf", "autolab"):
+            logging.getLogger(name).addHandler(logged)
         try:
             if self.scn.measured is not None:  # the lab repo exists and was measured already
                 local = init_lab(self.lab_dir, profile="tiny", data="synthetic", name=LAB_NAME,
@@ -765,13 +813,19 @@ class OperatorDriver:
                 await self.up()
             await self.settle(FINAL_QUIET)
         except Exception as e:  # the transcript says how far it got
-            t.crashed = f"{where}: {type(e).__name__}: {e}"
+            t.crashed = f"{where}: {type(e).__name__}: {e}" + "".join(
+                f"\n      operator log: {m}" for m in logged.messages[:5])
         finally:
             await self.down()
+            for name in ("kopf", "autolab"):
+                logging.getLogger(name).removeHandler(logged)
         t.experiments = phases_of(self.statuses(), self.applied)
         t.ledger = project(self.c.ledger(LAB_NAME))
         t.history = history_of(self.lab_dir) if (self.lab_dir / "research").exists() else []
         t.runs = count_runs(self.submitted())
+        lab = self.c.get("autolab.dev/v1alpha1/labs", LAB_NAME) or {}
+        t.gave_up = any(c.get("reason") == "BaselineFailed" and c.get("status") == "False"
+                        for c in (lab.get("status") or {}).get("conditions") or [])
         return t
 
     def snap(self, step: str) -> None:
@@ -787,11 +841,17 @@ def expectation_problems(who: str, t: Transcript, scn: Scenario) -> list[str]:
     out = []
     if t.crashed:
         out.append(f"{who}: the driver stopped at {t.crashed}")
+    for message in t.failures:
+        out.append(f"{who}: a pass failed: {message}")
     if t.experiments != scn.phases:
         out.append(f"{who}: final (phase, reason, outcome) {t.experiments}, expected {scn.phases}")
     rows = [(r[COLUMNS.index("run_id")], r[COLUMNS.index("status")]) for r in t.ledger]
     if rows != scn.rows:
         out.append(f"{who}: ledger (run_id, status) {rows}, expected {scn.rows}")
+    for r in t.ledger:
+        run, experiment = r[COLUMNS.index("run_id")], r[COLUMNS.index("experiment_id")]
+        if run.startswith("baseline-") and experiment != "baseline":
+            out.append(f"{who}: the baseline row {run} has experiment_id {experiment!r}")
     ids = [r for r, _ in rows]
     if len(ids) != len(set(ids)):
         out.append(f"{who}: a run is recorded more than once: {ids}")
@@ -799,6 +859,9 @@ def expectation_problems(who: str, t: Transcript, scn: Scenario) -> list[str]:
     if history != scn.history:
         out.append(f"{who}: master history (experiment, val_bpb) {history}, expected "
                    f"{scn.history}")
+    if t.gave_up != scn.gives_up:
+        out.append(f"{who}: " + ("the lab says its baseline failed for good" if t.gave_up else
+                                 "the lab does not say its baseline failed for good"))
     if t.runs != scn.runs:
         out.append(f"{who}: runs (name, gpus, times created) {t.runs}, expected {scn.runs}")
     for step, _, runs, val in t.snapshots:
@@ -811,7 +874,7 @@ def expectation_problems(who: str, t: Transcript, scn: Scenario) -> list[str]:
 
 def agreement_problems(local: Transcript, remote: Transcript) -> list[str]:
     out = []
-    for part in ("experiments", "ledger", "history", "runs", "snapshots"):
+    for part in ("experiments", "ledger", "history", "runs", "snapshots", "gave_up"):
         a, b = getattr(local, part), getattr(remote, part)
         if a == b:
             continue
@@ -831,12 +894,10 @@ async def test_one_scenario_table_through_both_front_ends(scn: Scenario, cluster
                                                           tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AUTOLAB_GPUS", ",".join(str(i) for i in range(SLOTS)))
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    t0 = time.monotonic()
-    local = await asyncio.to_thread(LocalDriver(tmp_path / "local" / LAB_NAME, scn).run)
-    t1 = time.monotonic()
-    remote = await OperatorDriver(cluster, scn).run()
-    t2 = time.monotonic()
-    print(f"{scn.name}: local {t1 - t0:.1f}s, operator {t2 - t1:.1f}s")
+    # The two front ends share nothing (two lab directories, two sets of runs): side by side.
+    local, remote = await asyncio.gather(
+        asyncio.to_thread(LocalDriver(tmp_path / "local" / LAB_NAME, scn).run),
+        OperatorDriver(cluster, scn).run())
     problems = (agreement_problems(local, remote) + expectation_problems("local", local, scn)
                 + expectation_problems("operator", remote, scn))
     assert not problems, "\n".join(problems)

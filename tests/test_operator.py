@@ -30,6 +30,7 @@ from controller.backends.local import result_signature
 from controller.kube.cluster import sync_repo_master
 from controller.core.hashing import candidate_hash
 from controller.core.reconcile import baseline_run_name
+from controller.core.spec import SpecError
 from controller.kube.crds import render
 from controller.kube.emulator import Emulator
 from controller.lab.repo import LabRepo
@@ -358,6 +359,61 @@ async def test_experiment_runs_as_a_gpu_job_and_its_result_is_recorded_and_promo
         row = {r["run_id"]: r for r in c.ledger()}["exp-deeper-1"]
         assert row["status"] == "cancelled" and row["experiment_id"] == "deeper"
     _assert_rbac_allows(c.operator_requests())
+    # The same after-record hooks as on one machine: a research note per experiment, Trackio.
+    notes = c.root / "default" / "research" / "experiments"
+    assert "0.95" in (notes / "higher-lr.md").read_text()
+    assert "NaN" in (notes / "no-warmdown.md").read_text()
+    assert (c.root / "default" / ".autolab" / "trackio").is_dir()
+
+
+async def test_two_labs_in_one_namespace_measure_their_baselines_in_separate_jobs(cluster):
+    c = cluster
+    second = {**LAB, "metadata": {"name": "second", "namespace": NS}}
+    async with operator(c):
+        await c.apply("labs", LAB)
+        await c.apply("labs", second)
+
+        def baselines() -> dict[str, str] | None:
+            jobs = {j["metadata"]["labels"]["autolab.dev/lab"]: j["metadata"]["name"]
+                    for j in c.em.items(JOBS, NS) if j["metadata"]["name"].startswith("baseline-")}
+            return jobs if len(jobs) == 2 else None
+        jobs = await c.until("a baseline Job per Lab", baselines)
+        assert jobs["default"] != jobs["second"]
+        assert jobs["second"] == baseline_run_name(
+            "second", LabRepo(c.root / "second", _lab_spec()).master())
+        # One Lab's baseline finishing is recorded by that Lab alone; the other's Job stays.
+        pod = await c.start_pod(jobs["default"])
+        await c.finish_pod(pod, result(1.0), exit_code=0)
+        await c.until("the first Lab measured", lambda: json.loads(
+            c.get(CMS, "default-master")["data"]["master.json"])["val_bpb"] == 1.0)
+        await asyncio.sleep(1.0)  # a few resyncs of both Labs
+        assert c.get(JOBS, jobs["second"]) is not None
+        assert json.loads(c.get(CMS, "second-master")["data"]["master.json"])["val_bpb"] is None
+        second_rows = Ledger(c.root / "second" / "research" / "results.tsv").rows()
+        assert [r["run_id"] for r in second_rows] == []
+
+
+async def test_an_hf_lab_takes_its_token_from_the_labs_secret(cluster):
+    """spec.hf.tokenSecret: the operator reads HF_TOKEN from that Secret for the Lab's runs."""
+    c = cluster
+    await c.call(c.core.create_namespaced_secret, NS, {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token", "namespace": NS},
+        "data": {"HF_TOKEN": base64.b64encode(b"hf_from_the_secret").decode()}})
+    op = Operator(OperatorConfig(lab_root=c.root, server=c.url, scanning=False))
+    lab = {**LAB, "spec": {**LAB["spec"], "backend": "hf", "capacity": {"gpuSlots": 3},
+                           "hf": {"tokenSecret": "hf-token"}}}
+    await c.apply("labs", lab)
+    rt = await asyncio.to_thread(op.runtime, NS, "default")
+    backend = await asyncio.to_thread(rt.engine.backend, "hf")
+    assert backend.token() == "hf_from_the_secret"
+    # An HF lab runs gpuSlots jobs at once, whatever GPUs the operator's machine has.
+    assert rt.engine.slot_ids() == ["hf-0", "hf-1", "hf-2"]
+    missing = {**lab, "metadata": {"name": "other", "namespace": NS},
+               "spec": {**lab["spec"], "hf": {"tokenSecret": "no-such-secret"}}}
+    await c.apply("labs", missing)
+    rt = await asyncio.to_thread(op.runtime, NS, "other")
+    with pytest.raises(SpecError, match="no-such-secret.*create it"):
+        await asyncio.to_thread(rt.engine.backend, "hf")
 
 
 async def test_restarted_operator_adopts_its_job_and_records_the_result_once(cluster):

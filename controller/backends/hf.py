@@ -67,7 +67,7 @@ from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError
 from huggingface_hub.utils import get_token
 
 from controller.backends import BackendConfigError, RunRequest
-from controller.backends.local import HARNESS_FILES, pinned_harness
+from controller.lab.harness import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec, SpecError
 from controller.lab.clock import iso

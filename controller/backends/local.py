@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
+                                    pinned_harness)
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
 from controller.lab.repo import atomic_write
@@ -81,7 +83,6 @@ def _start_ticks(pid: int) -> str | None:
     return fields[19]
 
 
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
 UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
 
 
@@ -90,45 +91,6 @@ def result_signature(key: bytes, result: dict) -> str:
     body = {k: v for k, v in result.items() if k != "signature"}
     return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
                     hashlib.sha256).hexdigest()
-
-
-def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True)
-
-
-def _blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-class HarnessError(RuntimeError):
-    pass
-
-
-def pinned_harness(root: Path) -> Path:
-    """The harness the lab was made with: `.autolab/harness/<commit>/`, written from the git
-    blobs of the lab's first commit and checked against them (blob ids) on every call. Runs on
-    every backend use it, never the lab's editable bench/."""
-    out = _git(root, "rev-list", "--max-parents=0", "autolab/master")
-    roots = out.stdout.decode().split()
-    if out.returncode != 0 or not roots:
-        raise HarnessError(f"{root}: cannot find the lab's first commit ({out.stderr.decode().strip()})")
-    commit = roots[-1]
-    pinned = root / ".autolab" / "harness" / commit[:12]
-    for name in HARNESS_FILES:
-        want = _git(root, "rev-parse", f"{commit}:bench/{name}")
-        if want.returncode != 0:
-            raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "
-                               "lab was made by an older autolab; make a new one with `autolab init`")
-        blob = want.stdout.decode().strip()
-        path = pinned / name
-        if path.is_file() and _blob_id(path.read_bytes()) == blob:
-            continue
-        data = _git(root, "cat-file", "blob", blob).stdout
-        if _blob_id(data) != blob:
-            raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
-        pinned.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data.decode("utf-8"))
-    return pinned
 
 
 class LocalBackend:
@@ -167,10 +129,10 @@ class LocalBackend:
         had changed. (Runs never use them: a change means something escaped a sandbox, or ran
         without one.)"""
         paths = [f"bench/{n}" for n in HARNESS_FILES]
-        st = _git(self.root, "status", "--porcelain", "--", *paths)
+        st = git_bytes(self.root, "status", "--porcelain", "--", *paths)
         changed = [line[3:] for line in st.stdout.decode(errors="replace").splitlines() if line.strip()]
         if changed:
-            _git(self.root, "checkout", "HEAD", "--", *changed)
+            git_bytes(self.root, "checkout", "HEAD", "--", *changed)
         return changed
 
     # -- runs ----------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from controller.core.spec import SpecError
 from controller.lab.ledger import Ledger
 from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
-from controller.local import BaselineFailed, LocalLab, load_yaml_file
+from controller.engine import BaselineFailed
+from controller.local import LocalLab, load_yaml_file
 from controller.cli.output import CliError, item, print_table, printable, table_rows
 
 

@@ -16,14 +16,15 @@ import sys
 from filelock import Timeout as LockTimeout
 
 from controller.backends import BackendConfigError
-from controller.backends.local import HarnessError
+from controller.lab.harness import HarnessError
 from controller.cli import authoring, demo, hf, lab, operator
 from controller.cli.output import REPO_ROOT, CliError, one_line
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
 from controller.lab.repo import GitError
-from controller.local import BaselineFailed
+from controller.engine import BaselineFailed
+from controller.lab.profiles import profiles
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("init", lab.cmd_init, "create a new lab: git repo, bench/, research/, seeded master",
              lab=False)
     sp.add_argument("dir")
-    sp.add_argument("--profile", choices=["tiny", "default"], default="default")
+    sp.add_argument("--profile", choices=sorted(profiles()), default="default")
     sp.add_argument("--data", default="hub", help="synthetic | hub | dir:PATH")
     sp.add_argument("--name", default="default", help="the Lab's name")
     sp.add_argument("--budget", type=int, help="training seconds per run (default: profile's)")

@@ -26,15 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.core.spec import ExperimentSpec, LabSpec
+# ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
+from controller.core.status import (ACTIVE, CANCELLED, DUPLICATE, FAILED,  # noqa: F401
+                                    HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
+                                    RUNNING, SUCCEEDED, TERMINAL, Condition, Reason)
 
-TERMINAL = ("Invalid", "Duplicate", "Conflict", "Succeeded", "Failed", "Cancelled")
-ACTIVE = ("Queued", "Running")
-# Reason codes of the run harness (bench/run.py) that a Failed phase carries as its reason.
-HARNESS_REASONS = {
-    "failed": ("CandidateCrashed", "BudgetExceeded", "NoExport", "NoTraining", "ExportRefused",
-               "NotCausal", "EvaluationFailed", "ProcessesLeft", "ResultNotAuthentic"),
-    "error": ("HarnessTampered", "DataUnavailable", "SandboxUnavailable", "HarnessError"),
-}
 RUN_STATES = ("missing", "queued", "running", "succeeded", "failed", "error", "cancelled", "lost")
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -165,7 +161,8 @@ def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta:
         return PromotionResult(False, current.get("val_bpb"),
                                f"val_bpb {val_bpb:.6f} did not beat the master "
                                f"{str(current.get('hash', ''))[:12]} "
-                               f"({current.get('experiment') or 'seed'}, {current.get('val_bpb')}), "
+                               f"({current.get('experiment') or 'seed'}, "
+                               f"{current.get('val_bpb')}), "
                                "which was promoted while this run was in flight.")
     return None
 
@@ -213,7 +210,7 @@ def reconcile(w: World) -> Decision:
     s = _Step(w)
     st = s.st
     if not st.get("phase"):
-        s.phase("Pending", "Accepted", "Waiting for the pre-run checks.")
+        s.phase(PENDING, Reason.ACCEPTED, "Waiting for the pre-run checks.")
         st["createdAt"] = w.now
         if w.spec is not None:
             st["specGeneration"] = w.generation
@@ -223,15 +220,15 @@ def reconcile(w: World) -> Decision:
         return _reconcile_deleting(s)
     if phase in TERMINAL:
         return _settle_terminal(s)
-    if w.spec_error and phase == "Pending":  # after the checks, the checked spec is what runs
-        s.phase("Invalid", "InvalidSpec", w.spec_error, warning=True)
-        s.condition("Checked", False, "InvalidSpec", w.spec_error)
+    if w.spec_error and phase == PENDING:  # after the checks, the checked spec is what runs
+        s.phase(INVALID, Reason.INVALID_SPEC, w.spec_error, warning=True)
+        s.condition(Condition.CHECKED, False, Reason.INVALID_SPEC, w.spec_error)
         return _settle_terminal(s)
-    if st.get("specGeneration") not in (None, w.generation) and phase != "Pending":
-        s.condition("SpecChangeIgnored", True, "SpecImmutable",
+    if st.get("specGeneration") not in (None, w.generation) and phase != PENDING:
+        s.condition(Condition.SPEC_CHANGE_IGNORED, True, Reason.SPEC_IMMUTABLE,
                     "The spec changed after its checks; an experiment runs the spec it was "
                     "checked with. Apply the change under a new name.")
-    if phase == "Pending":
+    if phase == PENDING:
         return _reconcile_pending(s)
     return _reconcile_active(s)
 
@@ -244,7 +241,7 @@ def _reconcile_pending(s: _Step) -> Decision:
     c = w.candidate
     if c.refusal:
         s.phase(c.refusal, c.reason, c.message, warning=True)
-        s.condition("Checked", False, c.reason, c.message)
+        s.condition(Condition.CHECKED, False, c.reason, c.message)
         return _settle_terminal(s)
     st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
               parentHash=c.parent_hash, commit=c.commit)
@@ -255,15 +252,15 @@ def _reconcile_pending(s: _Step) -> Decision:
         msg = (f"The candidate is the same program as {w.duplicate_of} (hash "
                f"{c.candidate_hash[:12]}); no GPU is spent on a repeat. Change the idea, "
                "not the formatting.")
-        s.phase("Duplicate", "DuplicateCandidate", msg, warning=True)
-        s.condition("Checked", False, "DuplicateCandidate", msg)
+        s.phase(DUPLICATE, Reason.DUPLICATE_CANDIDATE, msg, warning=True)
+        s.condition(Condition.CHECKED, False, Reason.DUPLICATE_CANDIDATE, msg)
         return _settle_terminal(s)
     msg = "The diff applies, the candidate compiles and is new."
     if c.rebased_from:
         msg = (f"The diff was written against {c.rebased_from[:12]} and rebased cleanly onto "
                f"master {c.parent_hash[:12]}; the candidate compiles and is new.")
-    s.condition("Checked", True, "ChecksPassed", msg)
-    s.phase("Queued", "ChecksPassed", "Waiting for a free slot.")
+    s.condition(Condition.CHECKED, True, Reason.CHECKS_PASSED, msg)
+    s.phase(QUEUED, Reason.CHECKS_PASSED, "Waiting for a free slot.")
     st["queuedAt"] = w.now
     return _reconcile_active(s)
 
@@ -273,20 +270,20 @@ def _reconcile_active(s: _Step) -> Decision:
     job = st.get("job")
     if not job:
         if w.master.val_bpb is None:
-            s.condition("Scheduled", False, "WaitingForBaseline",
+            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
                         "The master has no measured val_bpb yet; its baseline run comes first.")
             return s.decision()
         if w.slot is None:
-            s.condition("Scheduled", False, "WaitingForSlot", "All slots are busy.")
+            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_SLOT, "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
             s.intents.append(Intent("acquire-slot", {
                 "priority": w.spec.priority if w.spec else 0, "queued_at": st.get("queuedAt", "")}))
             return s.decision()
         backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
         st["job"] = {"backend": backend, "name": run_name(w.name), "slot": w.slot}
-        s.condition("Scheduled", True, "Submitted", f"Run {run_name(w.name)} submitted to "
-                                                     f"{backend} on slot {w.slot}.")
-        s.events.append(Event("Normal", "Submitted", f"Run {run_name(w.name)} on {backend}, "
+        s.condition(Condition.SCHEDULED, True, Reason.SUBMITTED,
+                    f"Run {run_name(w.name)} submitted to {backend} on slot {w.slot}.")
+        s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {run_name(w.name)} on {backend}, "
                                                      f"slot {w.slot}."))
         s.intents.append(Intent("submit", {"run": run_name(w.name), "slot": w.slot,
                                            "backend": backend}))
@@ -301,14 +298,15 @@ def _reconcile_active(s: _Step) -> Decision:
     if run.job_id:
         job["id"] = run.job_id
     if run.state == "queued":
-        if st["phase"] != "Queued":
-            s.phase("Queued", "RunQueued", run.message or "The run waits for its GPU.")
+        if st["phase"] != QUEUED:
+            s.phase(QUEUED, Reason.RUN_QUEUED, run.message or "The run waits for its GPU.")
         return s.decision()
     if run.state == "running":
-        if st["phase"] != "Running":
+        if st["phase"] != RUNNING:
             st["startedAt"] = w.now
-            s.phase("Running", "RunStarted", f"Run {job['name']} is training.")
-            s.condition("Running", True, "RunStarted", f"Run {job['name']} is training.")
+            s.phase(RUNNING, Reason.RUN_STARTED, f"Run {job['name']} is training.")
+            s.condition(Condition.RUNNING, True, Reason.RUN_STARTED,
+                        f"Run {job['name']} is training.")
         return s.decision()
     return _reconcile_finished(s, run)
 
@@ -317,23 +315,24 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     w, st = s.w, s.st
     if run.worker:
         st.setdefault("job", {})["worker"] = run.worker
-    s.condition("Running", False, "RunFinished", f"Run ended: {run.state}.")
+    s.condition(Condition.RUNNING, False, Reason.RUN_FINISHED, f"Run ended: {run.state}.")
     if run.state == "cancelled":
-        s.phase("Cancelled", "RunCancelled", run.message or "The run was cancelled.", True)
+        s.phase(CANCELLED, Reason.RUN_CANCELLED, run.message or "The run was cancelled.", True)
         return _settle_terminal(s)
     if run.state in ("failed", "error", "lost"):
-        reason = {"failed": "CandidateFailed", "error": "InfrastructureError",
-                  "lost": "RunLost"}[run.state]
+        reason = {"failed": Reason.CANDIDATE_FAILED, "error": Reason.INFRASTRUCTURE_ERROR,
+                  "lost": Reason.RUN_LOST}[run.state]
         code = (run.result or {}).get("reason_code")
         if code in HARNESS_REASONS.get(run.state, ()):
             reason = code  # the harness's own verdict, e.g. BudgetExceeded
         detail = (run.result or {}).get("reason") or run.message or "no reason given"
-        s.phase("Failed", reason, f"The run failed: {detail}", warning=True)
+        s.phase(FAILED, reason, f"The run failed: {detail}", warning=True)
         return _settle_terminal(s)
     metrics = dict((run.result or {}).get("metrics") or {})
     val = metrics.get(w.lab.metric)
     if not _finite(val):
-        s.phase("Failed", "NoMetric", f"The run finished without a finite {w.lab.metric}.", True)
+        s.phase(FAILED, Reason.NO_METRIC, f"The run finished without a finite {w.lab.metric}.",
+                True)
         return _settle_terminal(s)
     st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
     master_val = w.master.val_bpb
@@ -344,23 +343,24 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
         st["masterValBpb"] = master_val
     if w.promotion is None and beats(val, w.master.val_bpb, w.lab.min_delta) \
             and w.master.experiment != w.name:
-        s.condition("Promoted", False, "Promoting", "Comparing against the master under its lock.")
+        s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
+                    "Comparing against the master under its lock.")
         s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val}))
         return s.decision()
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
-    st["outcome"] = "Promoted" if promoted else "Rejected"
+    st["outcome"] = PROMOTED if promoted else REJECTED
     if promoted:
         msg = (f"{w.lab.metric} {val:.6f} beat the master's {master_val:.6f}; "
                "the candidate is the new master.")
-        s.condition("Promoted", True, "BeatMaster", msg)
+        s.condition(Condition.PROMOTED, True, Reason.BEAT_MASTER, msg)
     else:
         why = w.promotion.message if (w.promotion and w.promotion.message) else (
             f"{w.lab.metric} {val:.6f} did not beat the master's "
             f"{master_val:.6f} by more than {w.lab.min_delta}.")
-        s.condition("Promoted", False, "DidNotBeatMaster", why)
+        s.condition(Condition.PROMOTED, False, Reason.DID_NOT_BEAT_MASTER, why)
         msg = why
-    s.phase("Succeeded", "Promoted" if promoted else "Rejected", msg)
+    s.phase(SUCCEEDED, PROMOTED if promoted else REJECTED, msg)
     return _settle_terminal(s)
 
 
@@ -378,7 +378,7 @@ def _reconcile_deleting(s: _Step) -> Decision:
         if st["phase"] not in TERMINAL:
             return dec
         return _settle_terminal(s, deleting=True)
-    s.phase("Cancelled", "Deleted", "The experiment was deleted before it finished.", True)
+    s.phase(CANCELLED, Reason.DELETED, "The experiment was deleted before it finished.", True)
     return _settle_terminal(s, deleting=True)
 
 
@@ -400,7 +400,7 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
     job = st.get("job") or {}
     phase = st.get("phase", "")
     status = phase.lower()
-    if phase == "Failed" and st.get("reason") == "InfrastructureError":
+    if phase == FAILED and st.get("reason") == Reason.INFRASTRUCTURE_ERROR:
         status = "error"
 
     def num(key: str) -> str:
@@ -422,7 +422,7 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
         "total_seconds": num("total_seconds"),
         "peak_vram_mb": num("peak_vram_mb"),
         "mfu_percent": num("mfu_percent"),
-        "promoted": "1" if st.get("outcome") == "Promoted" else "0",
+        "promoted": "1" if st.get("outcome") == PROMOTED else "0",
         "comment": st.get("message", ""),
         "semantic_hash": st.get("semanticHash", ""),
         "outcome": st.get("outcome", ""),

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 
-ACTIVE = ("Queued", "Running")
+from controller.core.status import QUEUED, ExperimentStatus
+
 UNLIMITED = "cluster"  # the slot of a run whose backend schedules by itself
 
 
@@ -44,25 +45,23 @@ class SlotBook:
             self.slots = list(slots) if slots is not None else None
 
     def observe(self, name: str, status: dict, priority: int = 0) -> None:
-        """Take in one Experiment's status as last written."""
-        phase = status.get("phase")
-        job = status.get("job") or {}
+        """Take in one Experiment's status as last written (StatusError if it is not one)."""
+        st = ExperimentStatus.parse(status)
         with self._lock:
             self._release(name)
             for h in [h for h, who in self.inflight.items() if who == name]:
                 del self.inflight[h]
             self.waiting.pop(name, None)
-            if phase not in ACTIVE:
+            if not st.active:
                 return
-            for h in (status.get("candidateHash"), status.get("semanticHash")):
-                if h:
-                    self.inflight.setdefault(h, name)
-            if job:
+            for h in st.hashes:
+                self.inflight.setdefault(h, name)
+            if st.job:
                 self.running.add(name)
-                if self.slots is not None and job.get("slot") in self.slots:
-                    self.held[job["slot"]] = name
-            elif phase == "Queued":
-                self.waiting[name] = (priority, status.get("queuedAt") or "")
+                if self.slots is not None and st.job.slot in self.slots:
+                    self.held[st.job.slot] = name
+            elif st.phase == QUEUED:
+                self.waiting[name] = (priority, st.queued_at or "")
 
     def claim(self, name: str, hashes: tuple[str | None, ...]) -> str | None:
         """Mark a checked candidate in flight; returns who already has it, if anyone."""

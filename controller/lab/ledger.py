@@ -8,17 +8,18 @@ is appended after the compare-and-swap on the master.
 Each run id is written at most once, however many writers try it at the same
 time and however often a crashed or restarted controller retries: threads
 sharing one `Ledger`, threads each with their own, and other processes on the
-same host. `append` holds the object's thread lock and an exclusive `flock` on
-`results.tsv.lock` (taken on a descriptor opened for that one append, so it
-excludes other threads of this process as well as other processes), re-reads
-what others appended, and only then decides and writes: one `write` of one
-whole line, fsynced, before the lock is let go.
+same host. `append` takes a thread lock per ledger path (this process's
+threads, whichever object they use) and then an exclusive `flock` on
+`results.tsv.lock` (other processes), re-reads what others appended, and only
+then decides and writes: one `write` of one whole line, fsynced, before the
+locks are let go.
 
 Lookups (has this run been recorded? has this candidate been measured?) go
 through an in-memory index that is extended with only the bytes appended since
 the last look, so a check costs the same against ten rows or a hundred
-thousand. The index only takes complete lines: a line still being written, or
-torn by a crash, is read once its newline is there.
+thousand. The index is guarded by a thread lock of its own, so the threads
+sharing one object see it whole, and it only takes complete lines: a line still
+being written, or torn by a crash, is read once its newline is there.
 """
 
 from __future__ import annotations
@@ -41,23 +42,28 @@ COLUMNS = SEED_COLUMNS + EXTRA_COLUMNS
 # Infrastructure errors and cancellations measured nothing, so they may be tried again.
 MEASURED = {"succeeded", "failed", "baseline"}
 
-# Lock descriptors open in this process right now. A child forked meanwhile closes its
-# copies: a flock belongs to the open file, and the copy would keep it held after the
-# parent's thread let go, until the child exited.
-_HELD_LOCK_FDS: set[int] = set()
+# One thread lock per ledger path, shared by every Ledger object of this process on it:
+# the threads of a process take turns on it before they take the flock, so excluding
+# them never rests on how a filesystem implements flock (over NFS it becomes a POSIX
+# lock, which belongs to the process and would let its threads in together).
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+_PATH_LOCKS_GUARD = threading.Lock()
 # Ledgers of this process: a child forked while another thread held one's thread lock
 # gets a fresh lock and a fresh index (that thread does not exist in the child, and may
 # have left the index half updated).
 _LEDGERS: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
 
 
+def _path_lock(key: str) -> threading.Lock:
+    with _PATH_LOCKS_GUARD:
+        return _PATH_LOCKS.setdefault(key, threading.Lock())
+
+
 def _after_fork_in_child() -> None:
-    for fd in list(_HELD_LOCK_FDS):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD_LOCK_FDS.clear()
+    # Only the forking thread exists in the child: locks other threads held stay held.
+    global _PATH_LOCKS_GUARD
+    _PATH_LOCKS_GUARD = threading.Lock()
+    _PATH_LOCKS.clear()
     for ledger in list(_LEDGERS):
         if ledger._mutex.acquire(blocking=False):
             ledger._mutex.release()
@@ -83,8 +89,8 @@ class Ledger:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lock_path = str(self.path) + ".lock"
-        # Guards the index and makes check-then-write one step for the threads sharing
-        # this object; the flock in `_exclusive` does the same between objects and processes.
+        self._lock_key = os.path.realpath(self._lock_path)
+        # Guards the in-memory index against the threads sharing this object.
         self._mutex = threading.RLock()
         self._reset_index()
         _LEDGERS.add(self)
@@ -169,18 +175,18 @@ class Ledger:
     # -- writing -------------------------------------------------------------------------------
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """An exclusive flock on the lock file, on a descriptor of its own.
-
-        flock belongs to the open file, so a descriptor opened for this one hold also
-        excludes the other threads of this process, each opening their own."""
+        """An exclusive flock on the lock file, on a descriptor opened for this one hold."""
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        _HELD_LOCK_FDS.add(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                yield
+            finally:
+                # Unlocked explicitly, not by the close: a child forked meanwhile holds a
+                # copy of this descriptor, which would keep the lock until it exited.
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            _HELD_LOCK_FDS.discard(fd)
-            os.close(fd)  # releases the flock
+            os.close(fd)
 
     def append(self, row: dict) -> bool:
         """Append one row unless its run id is recorded already. Returns True if written."""
@@ -189,10 +195,13 @@ class Ledger:
             raise LedgerError(f"unknown ledger columns: {sorted(unknown)}")
         line = ("\t".join(_clean(row.get(c, "")) for c in COLUMNS) + "\n").encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._mutex, self._exclusive():
-            self.refresh()
-            if _clean(row["run_id"]) in self._run_ids:
-                return False
+        # This process's threads, then other processes: from here until the row is on disk
+        # nobody else appends, so what the index says after this refresh is the whole file.
+        with _path_lock(self._lock_key), self._exclusive():
+            with self._mutex:
+                self.refresh()
+                if _clean(row["run_id"]) in self._run_ids:
+                    return False
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 size = os.fstat(fd).st_size

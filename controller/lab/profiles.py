@@ -10,7 +10,7 @@ a `ProfileError` naming the file and the line.
 
 Which file: `profiles()` reads the repository's `bench/` (the one `autolab init` seeds labs
 from); `lab_profiles(root)` reads a lab's own pinned harness (its first commit's
-`bench/prepare.py`, the one its runs execute; see `controller.backends.local.pinned_harness`).
+`bench/prepare.py`, the one its runs execute; see `controller.lab.harness.pinned_harness`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def lab_harness(root: str | Path, harness: str | None = None) -> Path:
     commit's bench/prepare.py); for a directory that has none (not a lab's git repository, or
     a lab made by an older autolab), the lab's `harness` file (lab.yaml's spec.harness,
     default bench/prepare.py) if it exists, else the repository's."""
-    from controller.backends.local import HarnessError, pinned_harness  # git; only when asked
+    from controller.lab.harness import HarnessError, pinned_harness  # git; only when asked
 
     root = Path(root)
     try:

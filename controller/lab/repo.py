@@ -30,7 +30,7 @@ from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.hashing import candidate_hash, check_candidate_source, semantic_hash
-from controller.core.reconcile import Candidate, Master, PromotionResult, beats
+from controller.core.reconcile import Candidate, Master, PromotionResult, promotion_refused
 from controller.core.spec import ExperimentSpec, LabSpec
 
 MASTER_BRANCH = "autolab/master"
