@@ -1,19 +1,18 @@
-"""The Kubernetes operator: kopf handlers that observe, call `reconcile()` and apply the decision.
+"""The Kubernetes operator: kopf handlers that hand every Experiment and Lab to the engine.
 
-It is the cluster's front end to the same functional core as the local loop
-(`controller.local`): for an Experiment it observes the world (the object,
-its run's Job and Pods, the master ConfigMap, the ledger, the lab repo), asks
-the pure `reconcile()` what the status should be and what to do next, writes
-the status, posts the decision's Events and carries out its intents, until
-nothing is left to do. No handler decides anything about an experiment's
-lifecycle itself: create, update, resume, the timer for runs in flight, the
-Job and Pod watches and the finalizer all call that one pass.
+It is the cluster's front end to the same engine as the local loop
+(`controller.engine`, which makes every decision). This module adapts it to
+a cluster and decides nothing about an experiment's lifecycle itself:
+statuses live in the custom resources (`ClusterStatuses`), the master in the
+ConfigMap `<lab>-master` with the lab repo kept in step (`ClusterMaster`),
+events are Kubernetes Events and the Lab's status mirrors the master
+(`ClusterEvents`). Create, update, resume, the timer for runs in flight, the
+Job and Pod watches and the finalizer all call the one engine pass.
 
     kopf event (create | update | resume | timer | Job/Pod change | delete)
         -> GET the Experiment (the handler's copy may lag our own writes)
-        -> observe: run (Job + Pods), master ConfigMap, ledger, worktree, slot
-        -> reconcile(World) -> Decision(status, intents, events, finalized)
-        -> patch status, post Events, apply intents; again until no intents
+        -> its Lab's engine: observe, reconcile(), act, until nothing is left
+        -> kopf: a known failure is permanent until the object changes; others retry
 
 A Lab's handlers keep what the cluster side of a lab needs: its directory on
 the operator's volume (`$AUTOLAB_LAB_DIR/<lab>`: the lab repo with worktrees and
@@ -24,7 +23,7 @@ status, which mirrors the master and counts the runs in flight.
 
 Deleting an Experiment runs the finalizer: a run in flight is cancelled (its
 Job deleted), the cancellation is recorded in the ledger, and the finalizer
-goes when `reconcile` says `finalized`. Jobs and Pods the operator creates
+goes when the engine's pass says `finalized`. Jobs and Pods the operator creates
 carry ownerReferences and the `app.kubernetes.io/managed-by=autolab` label,
 and the operator watches only those.
 

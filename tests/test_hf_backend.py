@@ -288,3 +288,24 @@ def test_jobs_ship_the_pinned_harness_not_the_labs_editable_bench(server, tmp_pa
     assert files["bench/prepare.py"] == original
     assert files["bench/train.py"] == b"print('candidate')\n"
     assert {"bench/run.py", "bench/evaluate.py", "bench/sandbox.py", "bench/hf_entry.py"} <= set(files)
+
+
+@pytest.mark.parametrize("local_gpus", ["", "0"], ids=["no-gpu", "one-gpu"])
+def test_an_hf_lab_runs_gpu_slots_jobs_at_once_whatever_gpus_this_machine_has(
+        server, tmp_path, monkeypatch, local_gpus):
+    """The jobs at once follow the Lab's capacity.gpuSlots, not this machine's GPUs."""
+    monkeypatch.setenv("AUTOLAB_GPUS", local_gpus)
+    lab = make_lab(tmp_path / "lab")
+    doc = yaml.safe_load((lab.root / "lab.yaml").read_text())
+    doc["spec"]["capacity"] = {"gpuSlots": 3}
+    (lab.root / "lab.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    lab = LocalLab(lab.root)
+    for i, lr in enumerate(("0.03", "0.04", "0.05", "0.06")):
+        apply(lab, f"lr-{i}", lr=lr)
+        server.script_next(Script(hold=True))
+    lab.step()
+    assert len(server.created()) == 3, "three jobs at once: gpuSlots"
+    waiting = [lab.read_record(f"lr-{i}")["status"] for i in range(4)
+               if not lab.read_record(f"lr-{i}")["status"].get("job")]
+    assert len(waiting) == 1 and any(c["reason"] == "WaitingForSlot"
+                                     for c in waiting[0]["conditions"])

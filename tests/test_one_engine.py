@@ -16,7 +16,16 @@ depend on the front end:
 - the runs submitted to the backend: name, GPUs asked, how many were created;
 - after every step, once the front end has settled: the phases, which runs exist
   and the master's val_bpb, so the order of things (no experiment before the
-  baseline) is compared too.
+  baseline) is compared too;
+- whether the lab ends saying its baseline failed for good (the operator's Lab
+  condition BaselineFailed; the local loop's BaselineFailed, which stops `autolab run`).
+
+Passes that failed (a status with the condition Reconciled False, an error in a
+local pass summary) are reported too: none of these scenarios should have one.
+
+The local side gets the scripted backend through the seam `lab.backends["local"]`,
+right after each `LocalLab(root)`; its runs live in a `Machine` that outlives any one
+LocalLab, as processes outlive a killed `autolab run`.
 
 The test asserts that both transcripts are equal, and that they say what the
 scenario expects (the engine's single policies: baseline runs named
@@ -256,6 +265,21 @@ SCENARIOS = [
         [(None, None)],
         [(baseline_run(1), 1, 1), (baseline_run(2), 1, 1), (baseline_run(3), 1, 1)],
         gives_up=True),
+    Scenario(
+        "baseline-tried-again-after-a-restart", None,
+        (Apply("patient", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
+         Start(BASELINE), Finish(BASELINE, CRASH),
+         Start(BASELINE), Finish(BASELINE, CRASH),
+         Start(BASELINE), Finish(BASELINE, CRASH),
+         Down(), Up(),              # 3 attempts per controller start: a new start tries again
+         Start(BASELINE), Finish(BASELINE, ok(1.0)),
+         Start("patient"), Finish("patient", ok(0.99))),
+        {"patient": ("Succeeded", "Promoted", "Promoted")},
+        [(baseline_run(1), "error"), (baseline_run(2), "error"), (baseline_run(3), "error"),
+         (baseline_run(4), "baseline"), (run_of("patient"), "succeeded")],
+        [(None, 1.0), ("patient", 0.99)],
+        [(baseline_run(1), 1, 1), (baseline_run(2), 1, 1), (baseline_run(3), 1, 1),
+         (baseline_run(4), 1, 1), (run_of("patient"), 1, 1)]),
     Scenario(
         "restart-with-runs-in-flight", 1.0,
         (Apply("lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),

@@ -72,6 +72,7 @@ from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec, SpecError
 from controller.lab.clock import iso
 from controller.lab.repo import atomic_write
+from controller.lab.paths import LabPaths
 
 SYNTHETIC_SEED_ENV = "AUTOLAB_SYNTHETIC_SEED"  # bench/prepare.py reads it (a job secret, never the candidate's)
 
@@ -236,7 +237,7 @@ class HfBackend:
                  token: str | None = None, endpoint: str | None = None):
         self.lab = lab
         self.root = Path(lab_root).resolve()
-        self.runs = self.root / ".autolab" / "runs"
+        self.runs = LabPaths.of(self.root).state / "runs"
         self.lab_name = lab_name
         self.lab_id = lab_id
         self._token = token
@@ -257,7 +258,7 @@ class HfBackend:
         # The seed commit tells two labs of the same name apart (same namespace, same names).
         seed = ""
         try:
-            history = json.loads((root / "research" / "live" / "master.json").read_text())
+            history = json.loads(LabPaths.of(root).master_file.read_text())
             seed = (history.get("history") or [{}])[0].get("commit", "")
         except (OSError, ValueError):
             pass
@@ -394,7 +395,7 @@ class HfBackend:
         so every job of the lab scores the same validation text and no candidate can regenerate it."""
         if data != "synthetic":
             return {}
-        path = self.root / ".autolab" / "synthetic.seed"
+        path = LabPaths.of(self.root).state / "synthetic.seed"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             try:

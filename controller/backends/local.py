@@ -45,6 +45,7 @@ from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # n
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
 from controller.lab.repo import atomic_write
+from controller.lab.paths import LabPaths
 
 
 def visible_slots(configured: int = 0) -> list[str]:
@@ -99,7 +100,7 @@ class LocalBackend:
     def __init__(self, lab_root: str | Path, bench_dir: str | Path | None = None,
                  cache_dir: str | None = None):
         self.root = Path(lab_root).resolve()
-        self.runs = self.root / ".autolab" / "runs"
+        self.runs = LabPaths.of(self.root).state / "runs"
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
 

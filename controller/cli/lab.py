@@ -13,7 +13,6 @@ import yaml
 
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import SpecError
-from controller.lab.ledger import Ledger
 from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
@@ -257,9 +256,9 @@ def cmd_delete(a) -> int:
 
 def cmd_ledger(a) -> int:
     lab = LocalLab(a.lab)
-    rows = Ledger(lab.root / "research" / "results.tsv").rows()
+    rows = lab.ledger.rows()
     if a.output == "tsv":
-        sys.stdout.write((lab.root / "research" / "results.tsv").read_text()
+        sys.stdout.write(lab.paths.ledger.read_text()
                          if rows else "")
         return 0
     head = ["RUN_ID", "STATUS", "EXPERIMENT", "CAMPAIGN", "VAL_BPB", "DELTA", "PROMOTED",

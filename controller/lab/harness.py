@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 from controller.lab.repo import atomic_write
+from controller.lab.paths import LabPaths
 
 HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
 
@@ -37,7 +38,7 @@ def pinned_harness(root: Path) -> Path:
     if out.returncode != 0 or not roots:
         raise HarnessError(f"{root}: cannot find the lab's first commit ({out.stderr.decode().strip()})")
     commit = roots[-1]
-    pinned = root / ".autolab" / "harness" / commit[:12]
+    pinned = LabPaths.of(root).state / "harness" / commit[:12]
     for name in HARNESS_FILES:
         want = git_bytes(root, "rev-parse", f"{commit}:bench/{name}")
         if want.returncode != 0:

@@ -30,6 +30,7 @@ from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.lab.repo import atomic_write
+from controller.lab.paths import LabPaths
 
 
 TEMPLATE = "experiment.md"
@@ -167,10 +168,9 @@ def remember(lab_root: Path, surface: str, row: dict, spec: dict | None,
     name = row.get("experiment_id", "")
     if not name or name == "baseline":
         return []
-    research = lab_root / "research"
+    research = LabPaths.of(lab_root).research
     written = []
-    lock = FileLock(str(lab_root / ".autolab" / "locks" / "research.lock"))
-    (lab_root / ".autolab" / "locks").mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(LabPaths.of(lab_root).lock("research")))
     with lock:
         note = research / "experiments" / f"{name}.md"
         if not note.exists():

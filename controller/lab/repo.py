@@ -32,6 +32,7 @@ from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.hashing import candidate_hash, check_candidate_source, semantic_hash
 from controller.core.reconcile import Candidate, Master, PromotionResult, promotion_refused
 from controller.core.spec import ExperimentSpec, LabSpec
+from controller.lab.paths import LabPaths
 
 MASTER_BRANCH = "autolab/master"
 GIT_ID = ["-c", "user.name=autolab", "-c", "user.email=autolab@localhost",
@@ -64,8 +65,9 @@ class LabRepo:
     def __init__(self, root: str | Path, lab: LabSpec):
         self.root = Path(root).resolve()
         self.lab = lab
-        self.state = self.root / ".autolab"
-        self.master_file = self.root / "research" / "live" / "master.json"
+        self.paths = LabPaths.of(self.root)
+        self.state = self.paths.state
+        self.master_file = self.paths.master_file
         self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
 
     # -- git -----------------------------------------------------------------------------------
@@ -78,7 +80,7 @@ class LabRepo:
         return proc
 
     def worktree_path(self, name: str) -> Path:
-        return self.state / "worktrees" / name
+        return self.paths.worktree(name)
 
     def has_worktree(self, name: str) -> bool:
         return self.worktree_path(name).exists()

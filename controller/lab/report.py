@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from controller.lab import clock, profiles
 from controller.lab.repo import atomic_write
+from controller.lab.paths import LabPaths
 
 if TYPE_CHECKING:
     from controller.local import LocalLab
@@ -282,7 +283,7 @@ def write_report(lab: "LocalLab", stuck_after: float | None = None,
     from controller.lab.memory import backfill
     backfill(lab.root, lab.lab.surface, lab.ledger.rows(), lab.read_record)
     md = build_report(lab, stuck_after=stuck_after)
-    live = lab.root / "research" / "live"
+    live = LabPaths.of(lab.root).live
     atomic_write(live / "report.md", md)
     path = None
     if png:

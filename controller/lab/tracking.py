@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controller.lab.paths import LabPaths
+
 
 SYNC_TIMEOUT_SECONDS = 300
 TRACKED_STATUSES = ("succeeded", "failed", "error", "cancelled", "baseline")
@@ -50,7 +52,7 @@ def project_name(lab_name: str) -> str:
 
 
 def trackio_dir(lab_root: Path) -> Path:
-    return Path(lab_root) / ".autolab" / "trackio"
+    return LabPaths.of(lab_root).trackio
 
 
 def child_env(lab_root: Path) -> dict[str, str]:
@@ -163,7 +165,7 @@ def _number(v: Any) -> float | None:
 
 
 def _result(lab_root: Path, run_id: str) -> dict:
-    p = lab_root / ".autolab" / "runs" / run_id / "result.json"
+    p = LabPaths.of(lab_root).run_dir(run_id) / "result.json"
     try:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError):
@@ -177,7 +179,7 @@ def curve_points(lab_root: Path, run_id: str, result: dict) -> list[tuple[int, d
         return []
     path = Path(ref)
     if not path.is_absolute():
-        path = lab_root / ".autolab" / "runs" / run_id / path
+        path = LabPaths.of(lab_root).run_dir(run_id) / path
     points = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -231,7 +233,7 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
     from controller.lab.ledger import Ledger
 
     project = project_name(lab_name)
-    rows = [r for r in Ledger(lab_root / "research" / "results.tsv").rows() if tracked(r)]
+    rows = [r for r in Ledger(LabPaths.of(lab_root).ledger).rows() if tracked(r)]
     with FileLock(str(trackio_dir(lab_root) / "sync.lock")):
         try:
             have = {r.name for r in trackio.Api().runs(project)}
