@@ -39,7 +39,7 @@ def one(mode: str, budget: float, out: Path, env: dict) -> dict:
     if r["status"] != "succeeded":
         raise SystemExit(f"{mode}: {r['status']}: {r['reason']}")
     return {"wall": wall, "val_bpb": r["metrics"]["val_bpb"], "startup": r["timing"]["startup_seconds"],
-            "training": r["metrics"]["training_seconds"]}
+            "training": r["metrics"]["training_seconds"], "steps": r["metrics"].get("num_steps", 0)}
 
 
 def main() -> int:
@@ -64,7 +64,8 @@ def main() -> int:
         means[mode] = statistics.mean(walls)
         print(f"{mode:>6}: wall {statistics.mean(walls):6.2f} s (min {min(walls):.2f}) | start-up to first batch "
               f"{statistics.mean(r['startup'] for r in runs):5.2f} s | training "
-              f"{statistics.mean(r['training'] for r in runs):5.2f} s | val_bpb {statistics.mean(bpbs):.4f} "
+              f"{statistics.mean(r['training'] for r in runs):5.2f} s | steps "
+              f"{statistics.mean(r['steps'] for r in runs):6.1f} | val_bpb {statistics.mean(bpbs):.4f} "
               f"± {statistics.pstdev(bpbs):.4f}")
     print(f"the boundary adds {means['bwrap'] - means['none']:+.2f} s per run (mean wall time, bwrap - none)")
     return 0

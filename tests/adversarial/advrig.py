@@ -685,6 +685,7 @@ class Rig:
             self.lab / ".autolab" / "runs" / f"exp-{name}-1",
             self.lab / ".autolab" / "worktrees" / name,
             self.lab / ".autolab" / "status" / f"{name}.json",
+            self.lab / ".autolab" / "specs" / f"{name}.json",  # the spec it was checked with
             self.lab / ".autolab" / "events" / f"{name}.jsonl",
             self.lab / ".autolab" / "deleted",
             self.lab / ".autolab" / "trackio",
