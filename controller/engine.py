@@ -198,9 +198,7 @@ class Engine:
         if lab != self.lab:
             self.lab = lab
             self.repo.lab = lab
-            for b in self.backends.values():
-                if hasattr(b, "lab"):
-                    b.lab = lab
+            self.backends.clear()  # built again, from the new spec, when next named
             self.book.resize(self.slot_ids())
 
     def slot_ids(self) -> list[str] | None:

@@ -194,7 +194,6 @@ class LabRuntime:
     """A Lab in the cluster: its directory, its master ConfigMap, and its engine."""
 
     def __init__(self, op: "Operator", namespace: str, lab_obj: dict):
-        from controller.backends.kubernetes import KubernetesBackend
         from controller.kube.cluster import MasterStore as ConfigMapMaster, owner_reference
         from controller.lab.init import make_lab
         from controller.lab.paths import LabPaths
@@ -215,10 +214,9 @@ class LabRuntime:
         self.store: MasterStore = ConfigMapMaster(op.kube, namespace, self.name,
                                               self.spec.surface.rsplit("/", 1)[-1])
         self.statuses = ClusterStatuses(self)
-        kube = KubernetesBackend(op.kube, namespace, self.name, self.spec, op.config.run_image)
         self.engine = Engine(paths=paths, lab_name=self.name, lab=self.spec,
                              statuses=self.statuses, master=ClusterMaster(self),
-                             events=ClusterEvents(self), backends={"kubernetes": kube},
+                             events=ClusterEvents(self), backends={},
                              make_backend=self._make_backend, visible_slots=_no_local_gpus,
                              local_means="kubernetes",
                              lab_owner=owner_reference(lab_obj)
@@ -227,6 +225,11 @@ class LabRuntime:
         self.ledger = self.engine.ledger
 
     def _make_backend(self, name: str) -> Any:
+        if name == "kubernetes":
+            from controller.backends.kubernetes import KubernetesBackend
+
+            return KubernetesBackend(self.op.kube, self.namespace, self.name, self.spec,
+                                     self.op.config.run_image)
         if name == "hf":
             from controller.backends.hf import HfBackend, token_from_secret
 
