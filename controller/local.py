@@ -231,7 +231,13 @@ class LocalLab:
 
     def read_record(self, name: str) -> dict:
         p = self.paths.status_file(name)
-        return json.loads(p.read_text()) if p.exists() else {}
+        if not p.exists():
+            return {}
+        try:
+            return json.loads(p.read_text())
+        except ValueError as e:
+            raise SpecError(f"{p} is not valid JSON ({e}); restore it, or remove it to start "
+                            "the experiment over") from None
 
     def write_record(self, name: str, record: dict) -> None:
         atomic_write(self.paths.status_file(name),

@@ -126,6 +126,19 @@ def test_a_missing_file_of_the_lab_is_one_line_naming_it(lab, env):
     assert "master.json" in line and "No such file" in line
 
 
+@pytest.mark.parametrize("state", ["master", "status"])
+def test_a_state_file_cut_short_is_one_line_naming_it(lab, env, state):
+    if state == "master":
+        target, command = lab / "research" / "live" / "master.json", ["master"]
+    else:
+        target, command = lab / ".autolab" / "status" / "cut.json", ["get", "cut"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text('{"status": {"phase": "Queued"}}')
+    target.write_text(target.read_text()[:9])  # a copy cut short
+    line = one_error_line(autolab(*command, "--lab", str(lab), env=env))
+    assert str(target) in line and "not valid JSON" in line
+
+
 def test_a_full_disk_is_one_line_and_nothing_at_exit(lab, env):
     big_ledger(lab, rows=2000)
     with open("/dev/full", "w") as full:

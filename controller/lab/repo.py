@@ -31,7 +31,7 @@ from filelock import FileLock
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.hashing import candidate_hash, check_candidate_source, semantic_hash
 from controller.core.reconcile import Candidate, Master, PromotionResult, promotion_refused
-from controller.core.spec import ExperimentSpec, LabSpec
+from controller.core.spec import ExperimentSpec, LabSpec, SpecError
 from controller.lab.paths import LabPaths
 
 MASTER_BRANCH = "autolab/master"
@@ -87,7 +87,12 @@ class LabRepo:
 
     # -- master --------------------------------------------------------------------------------
     def master_doc(self) -> dict:
-        return json.loads(self.master_file.read_text())
+        try:
+            return json.loads(self.master_file.read_text())
+        except ValueError as e:  # a hand edit or a copy cut short: say which file, and what to do
+            raise SpecError(f"{self.master_file} is not valid JSON ({e}); fix it by hand, or "
+                            "restore it from a backup (the master's commit is the branch "
+                            f"{MASTER_BRANCH})") from None
 
     def master(self) -> Master:
         d = self.master_doc()
