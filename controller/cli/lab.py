@@ -17,7 +17,7 @@ from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
 from controller.local import LocalLab, load_yaml_file
-from controller.cli.output import CliError, item, print_table, printable, table_rows
+from controller.cli.output import CliError, item, one_line, print_table, printable, table_rows
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
@@ -135,7 +135,7 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
             for e in summary.errors:
                 if e not in shown_errors:
                     shown_errors.add(e)
-                    print(f"error: {e}", file=sys.stderr, flush=True)
+                    print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             progress.update(summary)
             if summary.done and not watch:
                 break
@@ -144,7 +144,7 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
                 return 1
             time.sleep(interval)
     except BaselineFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     finally:
         progress.stop()
