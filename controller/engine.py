@@ -57,7 +57,6 @@ import dataclasses
 import json
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Protocol
 
 from controller.backends import Backend, RunRequest
@@ -392,7 +391,6 @@ class Engine:
         assert spec is not None
         return RunRequest(run=a["run"], experiment=obs.name, campaign=spec.campaign,
                           candidate_source=self.repo.candidate_source(obs.name),
-                          candidate_path=str(self.repo.worktree_path(obs.name) / self.lab.surface),
                           slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
                           overrides=spec.hf, owner=obs.owner)
@@ -485,11 +483,8 @@ class Engine:
         return state
 
     def _baseline_request(self, m: Master, name: str, slot: str | None) -> RunRequest:
-        source = self.master.source()
-        path = self.paths.state / "baseline" / m.hash[:12] / Path(self.lab.surface).name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source, encoding="utf-8")
-        return RunRequest(run=name, experiment="baseline", campaign="", candidate_source=source,
-                          candidate_path=str(path), slot=slot, profile=self.lab.profile,
-                          data=self.lab.data, budget_seconds=self.lab.budget_seconds,
-                          gpus=BASELINE_GPUS, owner=self.lab_owner)
+        return RunRequest(run=name, experiment="baseline", campaign="",
+                          candidate_source=self.master.source(), slot=slot,
+                          profile=self.lab.profile, data=self.lab.data,
+                          budget_seconds=self.lab.budget_seconds, gpus=BASELINE_GPUS,
+                          owner=self.lab_owner)

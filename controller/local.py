@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -452,6 +451,3 @@ class PassSummary:
         return not self.baseline_pending and all(
             st.get("phase") in TERMINAL for _, st, _ in self.rows)
 
-
-def hostname() -> str:
-    return socket.gethostname()

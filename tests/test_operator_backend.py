@@ -87,7 +87,7 @@ async def env() -> AsyncIterator[Env]:
 
 def request(run: str = "exp-e-1", gpus: int = 1) -> RunRequest:
     return RunRequest(run=run, experiment="e", campaign="c", candidate_source=CANDIDATE,
-                      candidate_path="", slot="slot-0", profile="tiny", data="synthetic",
+                      slot="slot-0", profile="tiny", data="synthetic",
                       budget_seconds=30, gpus=gpus)
 
 

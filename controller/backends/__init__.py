@@ -27,7 +27,6 @@ class RunRequest:
     experiment: str          # experiment name ("baseline" for a master's baseline)
     campaign: str
     candidate_source: str    # the surface source to run
-    candidate_path: str      # where it lies on this machine (local backend)
     slot: str | None         # GPU id, "cpu", or None where the backend schedules itself
     profile: str
     data: str

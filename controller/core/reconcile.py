@@ -31,7 +31,6 @@ from controller.core.status import (ACTIVE, CANCELLED, DUPLICATE, FAILED,  # noq
                                     HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
                                     RUNNING, SUCCEEDED, TERMINAL, Condition, Reason)
 
-RUN_STATES = ("missing", "queued", "running", "succeeded", "failed", "error", "cancelled", "lost")
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
 
@@ -69,7 +68,7 @@ class RunObservation:
     """A backend's view of one run. `result` is the run harness's result JSON when finished."""
 
     name: str
-    state: str
+    state: str  # missing | queued | running | succeeded | failed | error | cancelled | lost
     result: dict | None = None
     message: str = ""
     job_id: str = ""
