@@ -25,14 +25,26 @@ import datetime as _dt
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from controller.core.spec import LabSpec
 from controller.lab import clock, profiles
-from controller.lab.repo import atomic_write
+from controller.lab.ledger import Ledger
 from controller.lab.paths import LabPaths
+from controller.lab.repo import LabRepo, atomic_write
 
-if TYPE_CHECKING:
-    from controller.local import LocalLab
+class LabView(Protocol):
+    """What a report reads of a lab (the local front end's `LocalLab` is one)."""
+
+    root: Path
+    name: str
+    lab: LabSpec
+    ledger: Ledger
+    repo: LabRepo
+
+    def names(self) -> list[str]: ...
+
+    def read_record(self, name: str) -> dict: ...
 
 STUCK_SLACK_SECONDS = 600.0  # start-up, compilation and evaluation on top of the budget
 REFUSALS = ("invalid", "duplicate", "conflict")
@@ -61,7 +73,7 @@ def _age(seconds: float) -> str:
     return f"{s}s" if s < 120 else (f"{s // 60}m" if s < 7200 else f"{s // 3600}h{s % 3600 // 60:02d}m")
 
 
-def profile_budget(lab: "LocalLab") -> float:
+def profile_budget(lab: LabView) -> float:
     """The training budget of the lab's profile, from the lab's pinned bench/prepare.py (the
     harness its runs execute); the repository's bench/prepare.py if the lab's cannot say."""
     try:
@@ -71,7 +83,7 @@ def profile_budget(lab: "LocalLab") -> float:
         return found.get(lab.lab.profile, found[profiles.DEFAULT]).time_budget
 
 
-def default_stuck_after(lab: "LocalLab") -> float:
+def default_stuck_after(lab: LabView) -> float:
     budget = lab.lab.budget_seconds or profile_budget(lab)
     return 3 * budget + STUCK_SLACK_SECONDS
 
@@ -163,7 +175,7 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def anomalies(lab: "LocalLab", rows: list[dict], records: dict[str, dict],
+def anomalies(lab: LabView, rows: list[dict], records: dict[str, dict],
               stuck_after: float, now: _dt.datetime) -> list[str]:
     out = []
     for name, r in sorted(records.items()):
@@ -203,7 +215,7 @@ def anomalies(lab: "LocalLab", rows: list[dict], records: dict[str, dict],
     return out
 
 
-def build_report(lab: "LocalLab", stuck_after: float | None = None,
+def build_report(lab: LabView, stuck_after: float | None = None,
                  now: _dt.datetime | None = None) -> str:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     stuck_after = stuck_after if stuck_after is not None else default_stuck_after(lab)
@@ -277,7 +289,7 @@ def build_report(lab: "LocalLab", stuck_after: float | None = None,
     return "\n".join(out)
 
 
-def write_report(lab: "LocalLab", stuck_after: float | None = None,
+def write_report(lab: LabView, stuck_after: float | None = None,
                  png: bool = True) -> tuple[str, Path | None]:
     """Write research/live/report.md (and progress.png); returns the markdown and the PNG."""
     from controller.lab.memory import backfill
