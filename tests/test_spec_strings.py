@@ -398,6 +398,37 @@ def test_a_failed_pass_gives_back_the_slot_it_was_granted(tmp_path):
     assert book.held == {} and "first" not in book.running
 
 
+def test_a_submit_that_raises_is_tried_again_on_the_same_slot(tmp_path, monkeypatch):
+    """One GPU slot; the first experiment's submit fails (the backend is away for a moment).
+    Its status already names the run and the slot (written before the submit, so a crash in
+    between heals), so the slot stays its own, the next experiment does not take it, and the
+    next pass submits the same run on it: one run, never two."""
+    monkeypatch.setenv("AUTOLAB_GPUS", "0")
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = new_lab(tmp_path / "lab")
+    backend = lab.backends["local"]
+    real_submit = backend.submit
+    away = {"first"}
+
+    def submit(req):
+        if req.experiment in away:
+            raise OSError("the run directory's disk is gone")
+        return real_submit(req)
+    backend.submit = submit
+    write_spec(lab, "first", spec_from_edit(lab, "first", *GOOD_EDIT, priority=5))
+    write_spec(lab, "second", spec_from_edit(lab, "second", "MATRIX_LR = 0.02", "MATRIX_LR = 0.04"))
+    summary = lab.step()
+    assert any(e.startswith("reconciling first failed: OSError") for e in summary.errors)
+    assert backend.runs == {}, "nothing started"
+    assert status(lab, "first")["job"] == {"backend": "local", "name": "exp-first-1", "slot": "0"}
+    assert not status(lab, "second").get("job"), "the slot is first's: second waits"
+    away.clear()
+    summary = lab.step()
+    assert backend.runs == {"exp-first-1": "0"}
+    assert not status(lab, "second").get("job")
+    assert summary.errors == []
+
+
 @pytest.mark.parametrize("label, content", [
     ("latin1-bytes", "metadata: {name: caf\xe9}\n".encode("latin-1")),
     ("deep-nesting", b"spec: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"),
