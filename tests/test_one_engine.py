@@ -192,7 +192,7 @@ SCENARIOS = [
         {"no-warmdown": ("Failed", "CandidateCrashed", None),
          "shallow": ("Failed", "InfrastructureError", None),
          "lr-025": ("Failed", "RunLost", None)},
-        [(run_of("lr-025"), "failed"), (run_of("no-warmdown"), "failed"),
+        [(run_of("lr-025"), "error"), (run_of("no-warmdown"), "failed"),
          (run_of("shallow"), "error")],
         [(None, 1.0)],
         sorted(exp_runs("no-warmdown", "shallow", "lr-025"))),

@@ -184,3 +184,21 @@ def test_slots_go_by_priority_then_first_come():
     queued = [("a", 0, "t1"), ("b", 5, "t3"), ("c", 0, "t0"), ("d", 0, "t2")]
     assert allocate_slots(queued, busy={"1"}, slots=["0", "1", "2"]) == {"b": "0", "c": "2"}
     assert allocate_slots(queued, busy={"0", "1"}, slots=["0", "1"]) == {}
+
+
+@pytest.mark.parametrize("state, result, row_status", [
+    ("failed", {"status": "failed", "reason_code": "CandidateCrashed"}, "failed"),
+    ("failed", {"status": "failed", "reason_code": "BudgetExceeded"}, "failed"),
+    ("lost", None, "error"),
+    ("error", {"status": "error", "reason_code": "DataUnavailable"}, "error"),
+    ("error", None, "error"),
+])
+def test_only_what_the_candidate_did_counts_as_measured(state, result, row_status):
+    """A run the candidate failed is a measurement; a lost run or a broken harness is not: its
+    row says "error", which the duplicate check does not count, so the candidate may run again."""
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW,
+                        status=st("Running", job=JOB),
+                        run=RunObservation("exp-e-1", state, result=result)))
+    assert d.status["phase"] == "Failed"
+    (record,) = [i for i in d.intents if i.kind == "record"]
+    assert record.args["row"]["status"] == row_status

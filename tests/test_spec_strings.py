@@ -429,6 +429,42 @@ def test_a_submit_that_raises_is_tried_again_on_the_same_slot(tmp_path, monkeypa
     assert summary.errors == []
 
 
+def test_a_candidate_whose_run_was_lost_may_run_again(tmp_path, monkeypatch):
+    """A lost run measured nothing: the same program under a new name is queued, not refused
+    as a Duplicate of it (a candidate failure would have been)."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = new_lab(tmp_path / "lab")
+    backend = lab.backends["local"]
+    real_observe = backend.observe
+    backend.observe = lambda run: (RunObservation(run, "lost", message="the node went away")
+                                   if run == "exp-first-1" else real_observe(run))
+    write_spec(lab, "first", spec_from_edit(lab, "first", *GOOD_EDIT))
+    lab.step()
+    lab.step()
+    assert (status(lab, "first")["phase"], status(lab, "first")["reason"]) == ("Failed", "RunLost")
+    assert [r["status"] for r in lab.ledger.rows() if r["experiment_id"] == "first"] == ["error"]
+    write_spec(lab, "again", spec_from_edit(lab, "again", *GOOD_EDIT))
+    lab.step()
+    assert status(lab, "again")["phase"] in ("Queued", "Running"), status(lab, "again")
+
+
+def test_a_winner_resubmitted_after_its_promotion_is_a_duplicate_of_the_master(tmp_path,
+                                                                               monkeypatch):
+    """The same change under a new name, written against the master it has since replaced:
+    the rebase is empty, the candidate is the master itself, so Duplicate (not Conflict)."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = new_lab(tmp_path / "lab")
+    doc = spec_from_edit(lab, "winner", *GOOD_EDIT)
+    c = lab.repo.materialise("winner", ExperimentSpec.from_dict(doc["spec"]))
+    assert lab.repo.promote("winner", c.commit, 9.0, (c.candidate_hash, c.semantic_hash),
+                            c.parent_hash, "2026-12-01T00:00:00Z").promoted
+    write_spec(lab, "winner-again", {**doc, "metadata": {"name": "winner-again"}})
+    lab.step()
+    st = status(lab, "winner-again")
+    assert (st["phase"], st["reason"]) == ("Duplicate", "DuplicateCandidate"), st
+    assert st["duplicateOf"].startswith("master (winner")
+
+
 @pytest.mark.parametrize("label, content", [
     ("latin1-bytes", "metadata: {name: caf\xe9}\n".encode("latin-1")),
     ("deep-nesting", b"spec: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"),

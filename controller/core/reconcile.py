@@ -29,7 +29,8 @@ from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
 from controller.core.status import (ACTIVE, CANCELLED, DUPLICATE, FAILED,  # noqa: F401
                                     HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
-                                    RUNNING, SUCCEEDED, TERMINAL, Condition, Reason)
+                                    NOT_MEASURED, RUNNING, SUCCEEDED, TERMINAL, Condition,
+                                    Reason)
 
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -399,8 +400,8 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
     job = st.get("job") or {}
     phase = st.get("phase", "")
     status = phase.lower()
-    if phase == FAILED and st.get("reason") == Reason.INFRASTRUCTURE_ERROR:
-        status = "error"
+    if phase == FAILED and st.get("reason") in NOT_MEASURED:
+        status = "error"  # not a measurement of the candidate: it may run again
 
     def num(key: str) -> str:
         v = metrics.get(key)

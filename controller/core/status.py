@@ -73,6 +73,12 @@ HARNESS_REASONS = {
 }
 
 
+# Failed reasons that measured nothing about the candidate (the infrastructure failed, or the
+# run was lost): their ledger row says "error", which does not count as measured, so the same
+# candidate may run again.
+NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST) + HARNESS_REASONS["error"]
+
+
 # --- the parsed view ---------------------------------------------------------------------------
 
 class StatusError(ValueError):

@@ -202,7 +202,10 @@ class LabRepo:
         if parent["commit"] != master.commit:
             mine = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
             self.git("checkout", "--quiet", "--detach", master.commit, cwd=wt)
-            picked = self.git("cherry-pick", mine, cwd=wt, check=False)
+            # A change the master already holds picks to an empty commit: kept, so the
+            # candidate is the master itself and the duplicate check says so (not a conflict).
+            picked = self.git("cherry-pick", "--keep-redundant-commits", mine, cwd=wt,
+                              check=False)
             if picked.returncode != 0:
                 hunk = _conflict_hunk(wt / surface)
                 self.git("cherry-pick", "--abort", cwd=wt, check=False)
