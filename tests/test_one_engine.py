@@ -72,8 +72,8 @@ COLUMNS = ("experiment_id", "run_id", "status", "parent_hash", "candidate_hash",
            "semantic_hash", "val_bpb", "promoted", "outcome", "reason", "delta",
            "rebased_from", "duplicate_of")
 WAIT = 20.0   # seconds the operator driver waits for one thing
-QUIET = 0.15  # seconds nothing may change for the operator to count as settled
-FINAL_QUIET = 1.0  # at the end: a few resync periods, to catch a late second submit or record
+QUIET = 0.5  # seconds nothing may change for the operator to count as settled (a busy CI core)
+FINAL_QUIET = 1.5  # at the end: a few resync periods, to catch a late second submit or record
 
 
 def baseline_run(attempt: int) -> str:

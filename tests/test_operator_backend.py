@@ -408,15 +408,20 @@ async def test_master_promotion_is_compare_and_swap_on_the_configmap(env, tmp_pa
     store = MasterStore(env.kube, NS, "default")
     await call(store.ensure, lab.repo)
     stale = await call(store.read)
-    assert (await call(store.promote, "a", "A = 1\n", "c1", 0.95, "p", 0.0, "t1")).promoted
+    seed = stale.doc["hash"]
+    assert (await call(store.promote, "a", "A = 1\n", "c1", 0.95, seed, 0.0, "t1")).promoted
     # A writer holding the version it read before "a" was promoted is refused (409)...
     assert await call(store._cas, stale, {"master.json": "{}"}) is False
-    # ...and a promotion that no longer beats the new master is rejected, not written.
-    res = await call(store.promote, "b", "B = 1\n", "c2", 0.97, "p", 0.0, "t2")
-    assert not res.promoted and res.master_val_bpb == 0.95
+    # ...a promotion built on the old master is refused however good (it lacks "a")...
+    res = await call(store.promote, "b", "B = 1\n", "c2", 0.90, seed, 0.0, "t2")
+    assert not res.promoted and res.reason == "MasterMoved"
+    # ...and one built on "a" that does not beat it is rejected, not written.
+    a_hash = (await call(store.read)).doc["hash"]
+    res = await call(store.promote, "c", "C = 1\n", "c3", 0.97, a_hash, 0.0, "t3")
+    assert not res.promoted and res.master_val_bpb == 0.95 and res.reason == "DidNotBeatMaster"
     doc = (await call(store.read)).doc
     assert doc["experiment"] == "a"
     # Promoting "a" again (a retried pass) is recognised, not applied twice.
-    again = await call(store.promote, "a", "A = 1\n", "c1", 0.95, "p", 0.0, "t3")
+    again = await call(store.promote, "a", "A = 1\n", "c1", 0.95, seed, 0.0, "t4")
     assert again.promoted and again.master_val_bpb == 1.0
     assert len((await call(store.read)).promotions) == 1

@@ -202,3 +202,27 @@ def test_only_what_the_candidate_did_counts_as_measured(state, result, row_statu
     assert d.status["phase"] == "Failed"
     (record,) = [i for i in d.intents if i.kind == "record"]
     assert record.args["row"]["status"] == row_status
+
+
+def test_a_winner_built_on_an_older_master_is_not_promoted_over_the_newer_one():
+    """Two experiments built on the same master; the first was promoted while the second ran.
+    The second beats the new master's number, but it lacks the first's change: promoting it
+    would erase a win. It ends MasterMoved, and the master stays."""
+    moved = Master(hash="9" * 40, semantic_hash="8" * 40, commit="7" * 40, val_bpb=0.95,
+                   experiment="first")
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=moved, now=NOW,
+                        status=st("Running", job=JOB, parentHash="a" * 40),
+                        run=RunObservation("exp-e-1", "succeeded",
+                                           result={"metrics": {"val_bpb": 0.90}})))
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["reason"], d.status["outcome"]) == \
+        ("Succeeded", "MasterMoved", "Rejected")
+    assert "9999999999" in d.status["message"] and "again" in d.status["message"]
+
+
+def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master():
+    from controller.core.reconcile import promotion_refused
+    current = {"hash": "9" * 40, "val_bpb": 0.95, "experiment": "first"}
+    refused = promotion_refused(current, "e", 0.90, 0.0, None, parent="a" * 40)
+    assert refused is not None and not refused.promoted and refused.reason == "MasterMoved"
+    assert promotion_refused(current, "e", 0.90, 0.0, None, parent="9" * 40) is None

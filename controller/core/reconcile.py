@@ -81,6 +81,7 @@ class PromotionResult:
     promoted: bool
     master_val_bpb: float | None
     message: str = ""
+    reason: str = ""  # why not, as a Reason (DidNotBeatMaster, MasterMoved)
 
 
 @dataclass(frozen=True)
@@ -148,23 +149,37 @@ def beats(val: float, master_val: float | None, min_delta: float) -> bool:
 
 
 def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta: float,
-                      previous_val_bpb: float | None) -> PromotionResult | None:
+                      previous_val_bpb: float | None, parent: str) -> PromotionResult | None:
     """The compare of a compare-and-swap promotion, for every master store: None means "swap".
 
-    `current` is the master as just read under the store's lock or version (its
-    "experiment" and "val_bpb"); `previous_val_bpb` is what the master measured before
+    `current` is the master as just read under the store's lock or version (its "hash",
+    "experiment" and "val_bpb"); `parent` the master the candidate was built on. A master is
+    only ever replaced by a program that contains it: a candidate built on an older master is
+    refused (MasterMoved), however good. `previous_val_bpb` is what the master measured before
     `experiment` was promoted, in case it already was (a retried promotion settles as done).
     """
     if current.get("experiment") == experiment:
         return PromotionResult(True, previous_val_bpb)
+    if parent and current.get("hash") != parent:
+        return PromotionResult(False, current.get("val_bpb"), master_moved(
+            val_bpb, parent, str(current.get("hash", "")), current.get("experiment")),
+            Reason.MASTER_MOVED)
     if not beats(val_bpb, current.get("val_bpb"), min_delta):
         return PromotionResult(False, current.get("val_bpb"),
                                f"val_bpb {val_bpb:.6f} did not beat the master "
                                f"{str(current.get('hash', ''))[:12]} "
                                f"({current.get('experiment') or 'seed'}, "
                                f"{current.get('val_bpb')}), "
-                               "which was promoted while this run was in flight.")
+                               "which was promoted while this run was in flight.",
+                               Reason.DID_NOT_BEAT_MASTER)
     return None
+
+
+def master_moved(val_bpb: float, parent: str, master: str, experiment: str | None) -> str:
+    return (f"val_bpb {val_bpb:.6f} was measured on master {parent[:12]}, and the master moved "
+            f"to {master[:12]} ({experiment or 'seed'}) while it ran: promoting it would drop "
+            "that change. Apply the same change again under a new name: it rebases onto the "
+            "current master and is measured there.")
 
 
 def _finite(x: Any) -> bool:
@@ -341,8 +356,10 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     if master_val is not None:
         st["delta"] = round(val - master_val, 6)
         st["masterValBpb"] = master_val
+    parent = st.get("parentHash") or ""
+    moved = bool(parent) and parent != w.master.hash and w.master.experiment != w.name
     if w.promotion is None and beats(val, w.master.val_bpb, w.lab.min_delta) \
-            and w.master.experiment != w.name:
+            and w.master.experiment != w.name and not moved:
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                     "Comparing against the master under its lock.")
         s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val}))
@@ -350,17 +367,23 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
+    reason = Reason.BEAT_MASTER
     if promoted:
         msg = (f"{w.lab.metric} {val:.6f} beat the master's {master_val:.6f}; "
                "the candidate is the new master.")
         s.condition(Condition.PROMOTED, True, Reason.BEAT_MASTER, msg)
     else:
-        why = w.promotion.message if (w.promotion and w.promotion.message) else (
-            f"{w.lab.metric} {val:.6f} did not beat the master's "
-            f"{master_val:.6f} by more than {w.lab.min_delta}.")
-        s.condition(Condition.PROMOTED, False, Reason.DID_NOT_BEAT_MASTER, why)
-        msg = why
-    s.phase(SUCCEEDED, PROMOTED if promoted else REJECTED, msg)
+        reason = Reason.DID_NOT_BEAT_MASTER
+        msg = (f"{w.lab.metric} {val:.6f} did not beat the master's "
+               f"{master_val:.6f} by more than {w.lab.min_delta}.")
+        if w.promotion is not None and w.promotion.message:
+            reason, msg = w.promotion.reason or reason, w.promotion.message
+        elif moved and beats(val, w.master.val_bpb, w.lab.min_delta):
+            reason = Reason.MASTER_MOVED
+            msg = master_moved(val, parent, w.master.hash, w.master.experiment)
+        s.condition(Condition.PROMOTED, False, reason, msg)
+    s.phase(SUCCEEDED, PROMOTED if promoted else
+            (Reason.MASTER_MOVED if reason == Reason.MASTER_MOVED else REJECTED), msg)
     return _settle_terminal(s)
 
 

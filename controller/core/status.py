@@ -49,6 +49,7 @@ class Reason:
     PROMOTING = "Promoting"
     BEAT_MASTER = "BeatMaster"
     DID_NOT_BEAT_MASTER = "DidNotBeatMaster"
+    MASTER_MOVED = "MasterMoved"  # it beat the master, but was built on an older one
     PROMOTED = PROMOTED
     REJECTED = REJECTED
     DELETED = "Deleted"

@@ -254,7 +254,7 @@ class MasterStore:
             d = rec.doc
             previous = next((p.get("previous", {}).get("val_bpb") for p in rec.promotions
                              if p.get("experiment") == experiment), None)
-            settled = promotion_refused(d, experiment, val_bpb, min_delta, previous)
+            settled = promotion_refused(d, experiment, val_bpb, min_delta, previous, parent)
             if settled is not None:
                 return settled
             entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),

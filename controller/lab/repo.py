@@ -146,7 +146,7 @@ class LabRepo:
         with self._master_lock:
             d = self.master_doc()
             previous = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
-            settled = promotion_refused(d, name, val_bpb, self.lab.min_delta, previous)
+            settled = promotion_refused(d, name, val_bpb, self.lab.min_delta, previous, parent)
             if settled is not None:
                 return settled
             self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
