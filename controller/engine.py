@@ -158,7 +158,6 @@ class BaselineState:
     run: str | None = None         # this attempt's run name
     state: str = "measured"        # measured | running | waiting | failed
     message: str = ""
-    slot: str | None = None
 
 
 # --- the engine --------------------------------------------------------------------------------
@@ -240,10 +239,15 @@ class Engine:
         atomic_write(self.paths.checked_spec(key), json.dumps(spec, sort_keys=True) + "\n")
 
     def spec_of(self, obs: Observed) -> tuple[ExperimentSpec | None, dict | None, str | None]:
-        """The spec that runs (the checked copy once there is one), its dict, and any refusal."""
-        if obs.spec_error:
+        """The spec that runs (the checked copy once there is one), its dict, and any refusal.
+
+        Once checked, the copy is what runs: a later edit that breaks the live spec is ignored
+        (reconcile() says SpecChangeIgnored), as a later edit that keeps it valid is.
+        """
+        checked = self.checked_spec(obs.key)
+        if obs.spec_error and checked is None:
             return None, obs.spec, obs.spec_error
-        doc = self.checked_spec(obs.key) or obs.spec
+        doc = checked or obs.spec
         if doc is None:
             return None, None, None
         try:
@@ -442,8 +446,7 @@ class Engine:
         elif obs.state == "missing":
             slot = self.book.hold(name)
         intents = reconcile_baseline(m, obs, slot, self.ledger.has_run(name))
-        state = BaselineState(name, "running" if obs.state in ("queued", "running") else "waiting",
-                              slot=slot)
+        state = BaselineState(name, "running" if obs.state in ("queued", "running") else "waiting")
         if obs.state == "missing" and "submit" not in [i.kind for i in intents]:
             self.book.release(name)
         for intent in intents:

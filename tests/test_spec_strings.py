@@ -64,6 +64,12 @@ class RecordingBackend:
     def slot_of(self, run: str) -> str | None:
         return self.runs.get(run)
 
+    def cleanup(self, run: str) -> None:
+        pass  # nothing on paper to remove
+
+    def leftovers(self, run: str) -> bool:
+        return False
+
 
 def new_lab(root: Path) -> LocalLab:
     lab = init_lab(root, profile="tiny", data="synthetic")
@@ -463,6 +469,32 @@ def test_a_winner_resubmitted_after_its_promotion_is_a_duplicate_of_the_master(t
     st = status(lab, "winner-again")
     assert (st["phase"], st["reason"]) == ("Duplicate", "DuplicateCandidate"), st
     assert st["duplicateOf"].startswith("master (winner")
+
+
+def test_a_queued_experiment_runs_the_spec_it_was_checked_with_after_its_file_breaks(
+        tmp_path, monkeypatch):
+    """Checked and waiting for the one slot, then its file is edited into an invalid spec: the
+    checked copy runs when the slot frees (the edit is reported, not run, and nothing fails)."""
+    monkeypatch.setenv("AUTOLAB_GPUS", "0")
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = new_lab(tmp_path / "lab")
+    backend = lab.backends["local"]
+    write_spec(lab, "first", spec_from_edit(lab, "first", *GOOD_EDIT))
+    write_spec(lab, "second", spec_from_edit(lab, "second", "MATRIX_LR = 0.02", "MATRIX_LR = 0.04"))
+    lab.step()
+    assert list(backend.runs) == ["exp-first-1"] and status(lab, "second")["phase"] == "Queued"
+    broken = spec_from_edit(lab, "second", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05")
+    broken["spec"]["noSuchField"] = 1
+    write_spec(lab, "second", broken)
+    real_observe = backend.observe  # the first run ends (lost), which frees the slot
+    backend.observe = lambda run: (RunObservation(run, "lost") if run == "exp-first-1"
+                                   else real_observe(run))
+    lab.step()
+    summary = lab.step()
+    assert summary.errors == [], summary.errors
+    assert "exp-second-1" in backend.runs
+    conds = {c["type"]: c for c in status(lab, "second")["conditions"]}
+    assert conds["SpecChangeIgnored"]["status"] == "True"
 
 
 @pytest.mark.parametrize("label, content", [

@@ -467,6 +467,23 @@ if until(own_result):
                         fh.write("\n# rewritten by another experiment's leftover process " + MARK + "\n")
 '''
 
+DAEMON_CHECKED_SPEC = DAEMON_HEAD + r'''
+def rewrite_checked_specs():
+    # The engine runs the copy of the spec it checked (.autolab/specs/KEY.json), not the live
+    # file: rewriting another experiment's copy would change what that experiment runs.
+    for lab in labs():
+        for f in (lab / ".autolab" / "specs").glob("*.json"):
+            if f.stem != INFO["name"]:
+                doc = json.loads(f.read_text())
+                doc["hypothesis"] = "rewritten by another experiment's process " + MARK
+                doc["diff"] = "--- a/prepare.py\n+++ b/prepare.py\n@@ -1 +1 @@\n-x\n+y\n"
+                atomic(f, json.dumps(doc) + "\n")
+rewrite_checked_specs()
+if until(own_result):
+    time.sleep(1.0)
+    rewrite_checked_specs()
+'''
+
 DAEMON_SPEC = DAEMON_HEAD + r'''
 if until(own_result):
     time.sleep(1.0)
@@ -703,6 +720,11 @@ print("---" + _NL + "val_bpb:          0.010000" + _NL + "training_seconds: 2.0"
     add(C("lp-spec-drop", "processes that outlive the run",
           "A daemon drops a new Experiment spec into experiments/ after the run.",
           "No daemon survives; experiments/ gains nothing.", [early(spawn(DAEMON_SPEC))]))
+    add(C("lp-checked-spec", "processes that outlive the run",
+          "During the run and from a daemon after it, rewrites the checked-spec copies of the other "
+          "experiments (.autolab/specs/*.json, what the engine runs instead of the live spec file).",
+          "The lab is not in the sandbox and no daemon survives; the copies are untouched.",
+          [early(spawn(DAEMON_CHECKED_SPEC))]))
     add(C("lp-next-export", "processes that outlive the run",
           "A daemon keeps running after the run, waiting for the lab's next run to plant this model as "
           "that run's export.", "No daemon survives the sandbox (and the next run's export is not reachable).",

@@ -264,6 +264,7 @@ class Rig:
         self.home = base / "home"
         self.hits = base / "hits"
         self.pristine = base / "pristine"
+        self.pristine_specs = base / "pristine-specs"  # other experiments' checked specs
         self.token = secrets.token_hex(6)
         self.pidns = os.readlink("/proc/self/ns/pid")
         self.bystander_tag = f"adv-bystander-{self.token}"
@@ -385,6 +386,13 @@ class Rig:
         subprocess.run(["git", "-C", str(self.lab), "worktree", "add", "-q", "--detach",
                         str(self.lab / ".autolab" / "worktrees" / "zz-bystander"), "HEAD"],
                        check=True, capture_output=True)
+        # ...and another experiment's checked spec (what the engine runs instead of its file).
+        specs = self.lab / ".autolab" / "specs"
+        specs.mkdir(parents=True, exist_ok=True)
+        (specs / "zz-bystander.json").write_text(json.dumps({
+            "hypothesis": "A bystander checked before this candidate ran.", "parent": "seed",
+            "diff": "--- a/train.py\n+++ b/train.py\n"}) + "\n")
+        shutil.copytree(specs, self.pristine_specs, dirs_exist_ok=True)
         canary_run = self.lab / ".autolab" / "runs" / "zz-canary-run"
         canary_run.mkdir(parents=True)
         (canary_run / "log.txt").write_text(f"a log another run wrote: {self.canaries['another run' + chr(39) + 's log']}\n")
@@ -450,6 +458,7 @@ class Rig:
             "master": (lab / "research" / "live" / "master.json").read_bytes(),
             "refs": self.refs(),
             "worktrees": tree(lab / ".autolab" / "worktrees", skip=(name,)),
+            "specs": tree(lab / ".autolab" / "specs", skip=(f"{name}.json",)),
             "bench": tree(lab / "bench", keep_bytes=1 << 22),
             "harness": tree(lab / ".autolab" / "harness"),
             "cache": tree(self.cache, skip=("last_source",)),
@@ -575,7 +584,8 @@ class Rig:
         if refs_b != refs_a:
             changed = sorted(k for k in set(refs_a) | set(refs_b) if refs_a.get(k) != refs_b.get(k))
             v.append(f"(b) git refs changed: {changed}")
-        for key, what in (("worktrees", "other experiments' worktrees"), ("bench", "the lab's bench/"),
+        for key, what in (("worktrees", "other experiments' worktrees"),
+                          ("specs", "other experiments' checked specs"), ("bench", "the lab's bench/"),
                           ("harness", "the pinned harness"), ("cache", "the data/compile cache (AUTOLAB_CACHE)"),
                           ("home", "HOME"), ("git", ".git hooks/config"), ("runs", "other runs' directories")):
             d = tree_diff(before[key], after[key])
@@ -788,6 +798,12 @@ class Rig:
         if (self.pristine / "harness").exists() and tree_diff(before["harness"], after["harness"]):
             shutil.rmtree(lab / ".autolab" / "harness", ignore_errors=True)
             shutil.copytree(self.pristine / "harness", lab / ".autolab" / "harness", symlinks=True)
+        # other experiments' checked specs
+        if tree_diff(before["specs"], after["specs"]):
+            for f in (lab / ".autolab" / "specs").glob("*.json"):
+                if f.name != f"{name}.json":
+                    f.unlink()
+            shutil.copytree(self.pristine_specs, lab / ".autolab" / "specs", dirs_exist_ok=True)
         # other worktrees
         for wt in (lab / ".autolab" / "worktrees").glob("*"):
             if wt.name != name and (wt / ".git").exists():
