@@ -324,8 +324,13 @@ def test_a_diverging_candidate_fails(bench, tmp_path):
 
 def test_a_printed_summary_never_becomes_the_metric(bench, tmp_path):
     fake = "\n---\nval_bpb:          0.000001\n"
-    no_export = write_candidate(tmp_path, "import prepare\nnext(prepare.make_loader('train', 1, 8))\n"
-                                          f"print({fake!r})\n", "no_export.py")
+    # It ends with os._exit(0): a normal interpreter exit with the loader's stream still open
+    # can abort in torch's teardown (exit code 134) now and then, which is a crash, not the
+    # missing export under test.
+    no_export = write_candidate(tmp_path, "import os, sys, prepare\n"
+                                          "next(prepare.make_loader('train', 1, 8))\n"
+                                          f"print({fake!r})\nsys.stdout.flush()\nos._exit(0)\n",
+                                "no_export.py")
     result = harness(bench, no_export, tmp_path)
     assert result["status"] == "failed" and result["reason_code"] == "NoExport" and "export" in result["reason"]
 
