@@ -99,6 +99,8 @@ class LocalStatuses:
         lab = self.lab
         record = lab.read_record(name)
         sf = self.spec_file(name)
+        if sf is not None and not sf.path.exists():
+            sf = None  # deleted since the pass began (`autolab delete` beside the loop)
         if sf is not None and sf.doc is not None and trackable(sf.doc):
             digest = spec_digest(sf.doc.get("spec") or {})
             if not record:
