@@ -359,12 +359,17 @@ def project(rows: list[dict]) -> list[tuple]:
 
 
 def history_of(lab_dir: Path) -> list[tuple]:
-    doc = json.loads((lab_dir / "research" / "live" / "master.json").read_text())
+    """The master's history; empty where the lab never got a master (a driver that crashed)."""
+    path = lab_dir / "research" / "live" / "master.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
     return [(h.get("experiment"), h.get("hash"), h.get("val_bpb")) for h in doc["history"]]
 
 
 def master_val(lab_dir: Path) -> float | None:
-    return json.loads((lab_dir / "research" / "live" / "master.json").read_text()).get("val_bpb")
+    path = lab_dir / "research" / "live" / "master.json"
+    return json.loads(path.read_text()).get("val_bpb") if path.exists() else None
 
 
 def snapshot(step: str, statuses: dict[str, dict], runs: list[str], val: float | None) -> tuple:
