@@ -233,7 +233,7 @@ def stage_two(args: argparse.Namespace) -> int:
     out = Path(tempfile.mkdtemp(prefix="autolab-result-"))
     result = harness.run_candidate(BENCH_DIR / "train.py", out / "result.json", source=args.source,
                                    budget=args.budget, termination_log="",
-                                   sandbox_request=SANDBOX_REQUEST, run=args.run)
+                                   sandbox_request=SANDBOX_REQUEST, run=args.run, seed=args.seed)
     print(sign_result(key, args.run, harness.compact(result)), flush=True)
     return harness.EXIT_CODES.get(result.get("status"), EXIT_HARNESS_ERROR)
 
@@ -261,6 +261,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="default")
     p.add_argument("--source", default="hub")
     p.add_argument("--budget", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="the harness's seed (run.py --seed)")
     p.add_argument("--data-mount", default=None, help="where the lab's bucket is mounted")
     p.add_argument("--with", dest="requirements", action="append", default=[],
                    help="a requirement the job needs; installed only if the image lacks it")

@@ -707,6 +707,9 @@ def _prepared(source: str, num_shards: int | None, endpoint: str | None, log: Ru
         raise Outcome("error", "DataUnavailable", f"preparing the data ({source}) failed: {e}") from e
 
 
+DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness seeds (a prime)
+
+
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
            startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path]) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
@@ -731,7 +734,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "AUTOLAB_BENCH_PROFILE": prepare.PROFILE, "AUTOLAB_SOURCE": source,
         "AUTOLAB_EXPORT_DIR": str(where / "export"), "AUTOLAB_CURVE_PATH": str(where / "curve.jsonl"),
-        "AUTOLAB_TIME_BUDGET": repr(budget),
+        "AUTOLAB_TIME_BUDGET": repr(budget), "AUTOLAB_SEED": str(int(result.get("seed") or 0)),
     })
     # The compile cache is the run's own: a shared one is a place to leave something for the next run.
     env["TORCHINDUCTOR_CACHE_DIR"] = str(where / "compile")
@@ -742,7 +745,9 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         env.setdefault("OMP_NUM_THREADS", "1")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env[prepare.DATA_FD_ENV] = str(theirs.fileno())
-    seed = 0  # every candidate sees the same stream: differences are the program's, not the data order's
+    # Every measured run (seed 0) sees the same stream: differences are the program's, not the data
+    # order's. Repeat runs of one program (seeds 1, 2, ...) start elsewhere in it.
+    seed = int(result.get("seed") or 0) * DATA_SEED_STRIDE
     server = DataServer(tokens, ours, seed).start()
     limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
                             fsize=MAX_FILE_BYTES.get(prepare.PROFILE, sandbox.Limits.fsize))
@@ -1089,8 +1094,13 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   log_path: str | os.PathLike | None = None, termination_log: str | os.PathLike | None = None,
                   curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
-                  sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None) -> dict[str, Any]:
+                  sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
+                  seed: int = 0) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
+
+    seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for repeat runs
+    of one program (noise and confirm runs). It moves the training data's start offset and is
+    passed as $AUTOLAB_SEED, which bench/train.py reads; the program stays the same.
 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
@@ -1101,6 +1111,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     curve = Path(curve_path) if curve_path else result_path.with_name(result_path.stem + ".curve.jsonl")
     log = RunLog(log_path, echo)
     result = _new_result(run, source)
+    result["seed"] = int(seed)
 
     def execute() -> None:
         mode = sandbox_mode(sandbox_request)
@@ -1180,15 +1191,15 @@ def _staged_tokens(train_data: Path):
 def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, train_data: str | os.PathLike, *,
                 budget: float | None = None, startup_allowance: float | None = None,
                 sandbox_request: str = "bwrap", log_path: str | os.PathLike | None = None,
-                echo: bool = True) -> dict[str, Any]:
+                echo: bool = True, seed: int = 0) -> dict[str, Any]:
     """--phase train: run the candidate with export_dir/scratch as its directory and write the
-    record export_dir/record.json (returned). Never raises."""
+    record export_dir/record.json (returned). Never raises. seed: as run_candidate's."""
     log = RunLog(log_path, echo)
     export_dir = Path(export_dir)
     started = time.monotonic()
     record: dict[str, Any] = {"version": 1, "phase": "train", "candidate_sha1": None, "sandbox": None,
                               "source": None, "budget": None, "outcome": None, "exit_code": None,
-                              "timing": None}
+                              "timing": None, "seed": int(seed)}
 
     def execute() -> None:
         mode = sandbox_mode(sandbox_request)
@@ -1354,6 +1365,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="read the result-signing key from this file descriptor (then close it)")
     parser.add_argument("--key-file", default=None, help="read the result-signing key from this file")
     parser.add_argument("--run", default=None, help="the run's name, recorded in the signed result")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the harness's seed: 0 for a measured run, 1, 2, ... for repeat runs of one "
+                             "program (data offset and $AUTOLAB_SEED)")
     args = parser.parse_args(argv)
     need = {"all": ("candidate", "result"), "stage": ("train_data",),
             "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
@@ -1367,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase == "train":
         record = train_phase(args.candidate, args.export_dir, args.train_data, budget=args.budget,
                              startup_allowance=args.startup_allowance, sandbox_request=args.sandbox,
-                             log_path=args.log)
+                             log_path=args.log, seed=args.seed)
         return EXIT_SUCCEEDED if record["written"] else EXIT_HARNESS_ERROR
     key = _read_key(args.key_fd, args.key_file)
     if args.phase == "evaluate":
@@ -1382,7 +1396,7 @@ def main(argv: list[str] | None = None) -> int:
         args.candidate, args.result, source=args.source, budget=args.budget,
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
-        sandbox_request=args.sandbox, key=key, run=args.run,
+        sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
     )
     return EXIT_CODES[result["status"]]
 

@@ -60,10 +60,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from controller.backends import Backend, RunRequest
+from controller.core.noise import spread
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
-from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master, PromotionResult, RunObservation, World,
-                                       baseline_run_name, reconcile, reconcile_baseline, run_name)
+from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
+                                       PromotionResult, RunObservation, World, baseline_run_name,
+                                       noise_run_name, reconcile, reconcile_baseline, run_name)
 from controller.core.slots import SlotBook
 from controller.core.status import ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -99,7 +101,9 @@ class StatusStore(Protocol):
 
     def read(self, name: str) -> Observed | None: ...
 
-    def write_status(self, name: str, status: dict) -> None: ...
+    def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
+        """Store `status` whole. `previous` is the status it replaces, where the engine knows it
+        (a store that writes by merge patch removes the keys `status` no longer has)."""
 
     def finalized(self, name: str) -> None:
         """The experiment is recorded and cleaned up and was deleted: let it go."""
@@ -116,7 +120,10 @@ class MasterOfRecord(Protocol):
         """Bring the lab repo's master in step before a candidate is checked against it."""
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str) -> PromotionResult: ...
+                hashes: tuple[str, str], parent: str, now: str,
+                margin: float) -> PromotionResult:
+        """Compare-and-swap: `name` replaces the master if the master is still `parent` and
+        `val_bpb` beats it by more than `margin` (-inf: confirm runs already decided)."""
 
     def set_metric(self, master: Master, val_bpb: float) -> None: ...
 
@@ -277,7 +284,7 @@ class Engine:
         if not decision.finalized and failing(decision.status):
             recovered = with_recovery(decision.status, utcnow())  # a pass that failed before
             if recovered is not None:
-                self.statuses.write_status(name, recovered)
+                self.statuses.write_status(name, recovered, decision.status)
         return decision
 
     def _restore(self, name: str) -> None:
@@ -313,15 +320,16 @@ class Engine:
                       now=utcnow(), status=st, spec_error=spec_error, generation=obs.generation,
                       deleting=deleting, candidate=candidate, duplicate_of=duplicate, slot=slot,
                       run=run, promotion=promotion,
-                      recorded=self.ledger.has_run(job.get("name") or run_name(name)),
-                      worktree=self._leftovers(name, st))
+                      recorded=self.ledger.has_run(st.get("run") or job.get("name")
+                                                   or run_name(name)),
+                      worktree=self._leftovers(name, st), noise=self.noise_sigma())
             decision = reconcile(w)
-            if slot is not None and "submit" not in decision.kinds():
+            if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
                 slot = None
             if decision.status != st:
                 phase_changed = decision.status.get("phase") != st.get("phase")
-                self.statuses.write_status(name, decision.status)
+                self.statuses.write_status(name, decision.status, st)
                 st = decision.status
                 self.book.observe(name, st, priority)
                 if phase_changed:
@@ -346,7 +354,9 @@ class Engine:
                     waiting = slot is None
                 elif intent.kind == "submit":
                     slot = None  # used once
-                    run = self.backend(a["backend"]).submit(self._request(obs, spec, a))
+                    run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
+                elif intent.kind == "cleanup-run":
+                    self.backend(a["backend"]).cleanup(a["run"])
                 elif intent.kind == "cancel":
                     run = self.backend(a["backend"]).cancel(a["run"])
                 elif intent.kind == "promote":
@@ -354,7 +364,7 @@ class Engine:
                         promotion = self.master.promote(
                             name, st["commit"], self.repo.candidate_source(name), a["val_bpb"],
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
-                            utcnow())
+                            utcnow(), a.get("margin", 0.0))
                     if promotion.promoted:
                         self.events.lab(Event("Normal", "Promoted",
                                               f"{name} is the new master: val_bpb "
@@ -366,7 +376,7 @@ class Engine:
                 elif intent.kind == "cleanup":
                     with self.lock:
                         # Branches of experiments that ran stay: they are the experiment DAG.
-                        self.repo.cleanup(name, keep_branch=bool(st.get("job")))
+                        self.repo.cleanup(name, keep_branch=bool(st.get("job") or st.get("run")))
                     if st.get("job"):
                         self.backend(st["job"]["backend"]).cleanup(st["job"]["name"])
             if waiting:
@@ -391,13 +401,18 @@ class Engine:
             return False
         return self.backend(view.job.backend).leftovers(view.job.name)
 
-    def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict) -> RunRequest:
+    def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict,
+                 st: dict) -> RunRequest:
         assert spec is not None
+        if a.get("program") == "master":  # a confirm run of the master it was built on
+            source = self.repo.source_of(self.repo.resolve_parent(st["parentHash"])["commit"])
+        else:
+            source = self.repo.candidate_source(obs.name)
         return RunRequest(run=a["run"], experiment=obs.name, campaign=spec.campaign,
-                          candidate_source=self.repo.candidate_source(obs.name),
+                          candidate_source=source,
                           slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
-                          overrides=spec.hf, owner=obs.owner)
+                          overrides=spec.hf, owner=obs.owner, seed=int(a.get("seed") or 0))
 
     def _record(self, row: dict, spec: dict | None, status: dict | None) -> bool:
         """Append one ledger row (once per run id), then the after-record hooks."""
@@ -419,7 +434,7 @@ class Engine:
             return message
         new = with_failure(obs.status, message, utcnow())
         if new is not None:
-            self.statuses.write_status(name, new)
+            self.statuses.write_status(name, new, obs.status)
             self.events.experiment(name, Event("Warning", RECONCILE_ERROR, message))
         return message
 
@@ -428,6 +443,8 @@ class Engine:
         """Measure a master nobody has measured (see the module docstring for the policy)."""
         m = self.master.master()
         if m.val_bpb is not None:
+            if self.wants_noise():  # minDelta auto: the margin needs the lab's noise first
+                return self.measure_noise(self.lab.noise_runs)
             return BaselineState()
         attempt = 1 + sum(1 for r in self.ledger.rows()
                           if r.get("experiment_id") == "baseline"
@@ -485,9 +502,110 @@ class Engine:
                 self.events.lab_changed()
         return state
 
-    def _baseline_request(self, m: Master, name: str, slot: str | None) -> RunRequest:
+    def _baseline_request(self, m: Master, name: str, slot: str | None,
+                          seed: int = 0) -> RunRequest:
         return RunRequest(run=name, experiment="baseline", campaign="",
                           candidate_source=self.master.source(), slot=slot,
                           profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=BASELINE_GPUS,
-                          owner=self.lab_owner)
+                          owner=self.lab_owner, seed=seed)
+
+    # -- the lab's noise ----------------------------------------------------------------------------
+    def noise_record(self) -> dict | None:
+        """The lab's measured noise, if it was measured for this profile and budget."""
+        try:
+            doc = json.loads(self.paths.noise_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("profile") != self.lab.profile \
+                or doc.get("budgetSeconds") != self.lab.budget_seconds \
+                or not isinstance(doc.get("sigma"), (int, float)):
+            return None
+        return doc
+
+    def noise_sigma(self) -> float | None:
+        doc = self.noise_record()
+        return None if doc is None else float(doc["sigma"])
+
+    def wants_noise(self) -> bool:
+        return self.lab.min_delta == "auto" and self.noise_record() is None
+
+    def measure_noise(self, runs: int) -> BaselineState:
+        """One step of measuring the lab's noise: `runs` repeat runs of the master, seeds 1..
+
+        Each run is `noise-<lab>-<hash>-s<seed>` with its own ledger row (status `noise`, or
+        `error`); a seed whose run failed is replaced by the next one, up to BASELINE_ATTEMPTS
+        failures. When `runs` values are in, their spread is written to research/live/noise.json
+        (kept per profile and budget; the lab's `minDelta: auto` and confirm test read it).
+        Names are deterministic, so a step after a restart adopts the runs in flight, and
+        asking again for the same number of runs reads the ledger instead of running.
+        """
+        m = self.master.master()
+        if m.val_bpb is None:
+            return BaselineState(None, "waiting", "the master's baseline comes first")
+        rows = {r.get("run_id"): r for r in self.ledger.rows()}
+        values: list[float] = []
+        failures = 0
+        backend = self.backend(self.default_backend)
+        state = BaselineState(None, "waiting")
+        seed = 0
+        pending: list[int] = []
+        while len(values) + len(pending) < runs:
+            seed += 1
+            name = noise_run_name(self.lab_name, m, seed)
+            row = rows.get(name)
+            if row is not None:
+                try:
+                    values.append(float(row["val_bpb"]))
+                    continue
+                except (KeyError, ValueError):
+                    failures += 1
+                    if failures >= BASELINE_ATTEMPTS:
+                        return BaselineState(name, "failed", f"{failures} noise runs failed; the "
+                                             f"last was {name} (see its log and ledger row)")
+                    continue
+            pending.append(seed)
+        for seed in pending:
+            name = noise_run_name(self.lab_name, m, seed)
+            obs = backend.observe(name)
+            if obs.state == "missing":
+                slot = self.book.hold(name)
+                if slot is None:
+                    continue  # every slot is busy: a later step submits it
+                backend.submit(self._baseline_request(m, name, slot, seed))
+                state = BaselineState(name, "running")
+                continue
+            if obs.state in ("queued", "running"):
+                self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
+                state = BaselineState(name, "running")
+                continue
+            intents = reconcile_baseline(m, obs, None, False)
+            row = dict(next(i for i in intents if i.kind == "record").args["row"])
+            if row["status"] == "baseline":
+                row["status"] = "noise"
+            row.update(experiment_id="noise", backend=self.default_backend,
+                       hypothesis=f"Repeat run of the master, harness seed {seed}: the noise.")
+            self._record(row, None, None)
+            backend.cleanup(name)
+            self.book.release(name)
+            state = BaselineState(name, "running")  # the next step reads its row
+        if values and len(values) >= runs:
+            return self._noise_measured(m, values[:runs])
+        return state
+
+    def _noise_measured(self, m: Master, values: list[float]) -> BaselineState:
+        sigma = spread(values)
+        if sigma is None:
+            return BaselineState(None, "failed", "the noise needs at least two runs")
+        doc = {"sigma": round(sigma, 6), "mean": round(sum(values) / len(values), 6),
+               "runs": len(values), "values": values, "master": m.hash,
+               "profile": self.lab.profile, "budgetSeconds": self.lab.budget_seconds,
+               "measuredAt": utcnow()}
+        old = self.noise_record()
+        if old is None or old.get("values") != values:
+            atomic_write(self.paths.noise_file, json.dumps(doc, indent=2) + "\n")
+            self.events.lab(Event("Normal", "NoiseMeasured",
+                                  f"{len(values)} repeat runs of master {m.hash[:12]}: sigma "
+                                  f"{sigma:.6f} val_bpb (mean {doc['mean']:.6f})."))
+            self.events.lab_changed()
+        return BaselineState(None, "measured", f"sigma {sigma:.6f}")

@@ -129,7 +129,7 @@ class LocalStatuses:
                         status=status, generation=int(record.get("generation", 1)),
                         deleting=sf is None, spec_error=error)
 
-    def write_status(self, name: str, status: dict) -> None:
+    def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
         record = self.lab.read_record(name)
         if record.get("status") != status:
             record["status"] = status
@@ -155,8 +155,9 @@ class LocalMaster:
         pass  # the lab repo is the master of record here
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str) -> PromotionResult:
-        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now)
+                hashes: tuple[str, str], parent: str, now: str,
+                margin: float) -> PromotionResult:
+        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin)
 
     def set_metric(self, master: Master, val_bpb: float) -> None:
         self.lab.repo.set_master_metric(val_bpb)

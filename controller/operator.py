@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from controller.core.failures import RECONCILE_ERROR, failure_message, with_failure
+from controller.core.patch import merge_patch
 from controller.core.reconcile import (BASELINE_ATTEMPTS, TERMINAL, Decision, Event, Master,
                                        PromotionResult)
 from controller.core.spec import API_VERSION, GROUP, VERSION, LabSpec, SpecError, validate_document
@@ -136,8 +137,11 @@ class ClusterStatuses:
                         deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
                         owner=owner_reference(obj) if meta.get("uid") else None)
 
-    def write_status(self, name: str, status: dict) -> None:
-        self.rt.op.connect().patch_status(self.rt.namespace, "experiments", name, status)
+    def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
+        # A merge patch keeps what it does not mention: a key the new status dropped is sent
+        # as null, which removes it (RFC 7386).
+        patch = merge_patch(previous, status) if previous is not None else status
+        self.rt.op.connect().patch_status(self.rt.namespace, "experiments", name, patch)
         self.rt.op.phases[(self.rt.namespace, name)] = status.get("phase")
 
     def finalized(self, name: str) -> None:
@@ -160,9 +164,9 @@ class ClusterMaster:
         self.rt.sync()
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str) -> PromotionResult:
-        result = self.rt.store.promote(name, source, commit, val_bpb, parent,
-                                       self.rt.spec.min_delta, now)
+                hashes: tuple[str, str], parent: str, now: str,
+                margin: float) -> PromotionResult:
+        result = self.rt.store.promote(name, source, commit, val_bpb, parent, margin, now)
         self.rt.sync()
         return result
 
@@ -188,6 +192,14 @@ class ClusterEvents:
 
     def lab_changed(self) -> None:
         self.rt.op._mirror_lab(self.rt)
+
+
+def _noise_status(doc: dict | None) -> dict | None:
+    """The Lab status's `noise`: what `autolab noise` (or minDelta auto) measured."""
+    if doc is None:
+        return None
+    return {"sigma": doc.get("sigma"), "runs": doc.get("runs"), "mean": doc.get("mean"),
+            "budgetSeconds": doc.get("budgetSeconds"), "measuredAt": doc.get("measuredAt")}
 
 
 class LabRuntime:
@@ -448,6 +460,7 @@ class Operator:
                        "experiment": d.get("experiment"), "promotedAt": d.get("promotedAt"),
                        "configMap": rt.store.name},
             "running": rt.book.in_flight(),
+            "noise": _noise_status(rt.engine.noise_record()),
             "observedGeneration": int(rt.lab_obj["metadata"].get("generation", 1)),
         }
         m = rec.master()

@@ -63,7 +63,7 @@ def test_kubectl_get_shows_phase_outcome_metric_and_master():
         return [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
 
     assert columns(experiment_crd()) == ["Phase", "Outcome", "val_bpb", "Delta", "Campaign", "Age"]
-    assert columns(lab_crd()) == ["Metric", "Master", "Best", "Running", "Age"]
+    assert columns(lab_crd()) == ["Metric", "Master", "Best", "Running", "Noise", "Age"]
     for crd, short in ((experiment_crd(), "exp"), (lab_crd(), "lab")):
         version = crd["spec"]["versions"][0]
         assert crd["spec"]["group"] == "autolab.dev" and version["name"] == "v1alpha1"

@@ -82,7 +82,8 @@ def baseline_run(attempt: int) -> str:
 
 
 def run_of(name: str) -> str:
-    return f"exp-{name}-1"
+    """The first run of an experiment; a run's own name (a follow-up's) as it is."""
+    return name if name.startswith("exp-") else f"exp-{name}-1"
 
 
 # --- the scenario table ---------------------------------------------------------------------------
@@ -170,7 +171,10 @@ SCENARIOS = [
         (Apply("lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
          Apply("wd-04", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4"),
          Start("lr-03"), Start("wd-04"),
-         Finish("lr-03", ok(0.95)), Finish("wd-04", ok(0.97)),
+         Finish("lr-03", ok(0.95)),
+         # it beat its own master (1.0) after lr-03 moved it: a rebased follow-up decides
+         Finish("wd-04", ok(0.97)),
+         Start("exp-wd-04-2"), Finish("exp-wd-04-2", ok(0.955)),
          # written against the seed, rebased onto lr-03; better, but not by more than minDelta
          Apply("depth-10", "DEPTH = 8", "DEPTH = 10"),
          Start("depth-10"), Finish("depth-10", ok(0.9495))),
@@ -178,9 +182,9 @@ SCENARIOS = [
          "wd-04": ("Succeeded", "Rejected", "Rejected"),
          "depth-10": ("Succeeded", "Rejected", "Rejected")},
         [(run_of("depth-10"), "succeeded"), (run_of("lr-03"), "succeeded"),
-         (run_of("wd-04"), "succeeded")],
+         (run_of("wd-04"), "succeeded"), ("exp-wd-04-2", "succeeded")],
         [(None, 1.0), ("lr-03", 0.95)],
-        sorted(exp_runs("lr-03", "wd-04", "depth-10"))),
+        sorted(exp_runs("lr-03", "wd-04", "depth-10") + [("exp-wd-04-2", 1, 1)])),
     Scenario(
         "candidate-failure-infrastructure-error-and-lost-run", 1.0,
         (Apply("no-warmdown", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.0"),
@@ -287,12 +291,15 @@ SCENARIOS = [
          Start("lr-03"),
          Down(), Up(),              # lr-03 running, wd-04 submitted and queued
          Start("wd-04"), Finish("lr-03", ok(0.96)),
-         Down(), Finish("wd-04", ok(0.99)), Up()),  # it finished while no controller ran
+         Down(), Finish("wd-04", ok(0.99)), Up(),  # it finished while no controller ran
+         # it beat its own master after lr-03 moved it: the new controller runs its follow-up
+         Start("exp-wd-04-2"), Finish("exp-wd-04-2", ok(0.97))),
         {"lr-03": ("Succeeded", "Promoted", "Promoted"),
          "wd-04": ("Succeeded", "Rejected", "Rejected")},
-        [(run_of("lr-03"), "succeeded"), (run_of("wd-04"), "succeeded")],
+        [(run_of("lr-03"), "succeeded"), (run_of("wd-04"), "succeeded"),
+         ("exp-wd-04-2", "succeeded")],
         [(None, 1.0), ("lr-03", 0.96)],
-        sorted(exp_runs("lr-03", "wd-04"))),
+        sorted(exp_runs("lr-03", "wd-04") + [("exp-wd-04-2", 1, 1)])),
     Scenario(
         "restart-while-the-baseline-is-in-flight", None,
         (Start(BASELINE),
@@ -676,7 +683,7 @@ class OperatorDriver:
             if phase in (None, "Pending"):
                 return f"{name} is {phase or 'new'}"
             if phase in TERMINAL:
-                if (job.get("name") or run_of(name)) not in recorded:
+                if (st.get("run") or job.get("name") or run_of(name)) not in recorded:
                     return f"{name} is {phase} but not in the ledger"
                 continue
             if not job:
@@ -689,7 +696,7 @@ class OperatorDriver:
             uid = have["metadata"]["uid"]
             if uid in self.finished:
                 return f"{name}'s run ended but it is {phase}"
-            if uid in self.started and phase != "Running":
+            if uid in self.started and phase not in ("Running", "Confirming"):
                 return f"{name}'s Pod runs but it is {phase}"
         for uid, job in uids.items():
             if (job["metadata"].get("labels") or {}).get(LABEL_BASELINE):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
@@ -204,20 +206,134 @@ def test_only_what_the_candidate_did_counts_as_measured(state, result, row_statu
     assert record.args["row"]["status"] == row_status
 
 
-def test_a_winner_built_on_an_older_master_is_not_promoted_over_the_newer_one():
+MOVED = Master(hash="9" * 40, semantic_hash="8" * 40, commit="7" * 40, val_bpb=0.95,
+               experiment="first")
+
+
+def test_a_winner_built_on_an_older_master_gets_a_rebased_follow_up_not_a_promotion():
     """Two experiments built on the same master; the first was promoted while the second ran.
-    The second beats the new master's number, but it lacks the first's change: promoting it
-    would erase a win. It ends MasterMoved, and the master stays."""
-    moved = Master(hash="9" * 40, semantic_hash="8" * 40, commit="7" * 40, val_bpb=0.95,
-                   experiment="first")
-    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=moved, now=NOW,
-                        status=st("Running", job=JOB, parentHash="a" * 40),
+    The second beat its own master (1.0) but lacks the first's change: promoting it would erase
+    a win. It is not promoted; its run is recorded, and a follow-up, attempt 2, is queued."""
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW,
+                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
                         run=RunObservation("exp-e-1", "succeeded",
+                                           result={"metrics": {"val_bpb": 0.97}})))
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["reason"], d.status["attempt"]) == \
+        ("Confirming", "FollowUp", 2)
+    assert not d.status.get("job") and d.status["run"] == "exp-e-2"
+    (record,) = [i for i in d.intents if i.kind == "record"]
+    assert (record.args["row"]["run_id"], record.args["row"]["status"],
+            record.args["row"]["promoted"]) == ("exp-e-1", "succeeded", "0")
+    assert ("cleanup-run", "exp-e-1") in [(i.kind, i.args.get("run")) for i in d.intents]
+
+
+def test_a_loser_on_an_older_master_is_judged_against_its_own_parent():
+    """Worse than the master it was built on (1.02 against 1.0): rejected, with its delta
+    against that parent, and no follow-up run is spent."""
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW,
+                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
+                        run=RunObservation("exp-e-1", "succeeded",
+                                           result={"metrics": {"val_bpb": 1.02}})))
+    assert (d.status["phase"], d.status["outcome"], d.status["delta"]) == \
+        ("Succeeded", "Rejected", 0.02)
+
+
+def test_the_follow_up_gives_up_after_the_last_attempt():
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW,
+                        status=st("Confirming", job=dict(JOB, name="exp-e-3"), attempt=3,
+                                  run="exp-e-3", parentHash="a" * 40, parentValBpb=1.0),
+                        run=RunObservation("exp-e-3", "succeeded",
                                            result={"metrics": {"val_bpb": 0.90}})))
     assert "promote" not in d.kinds()
     assert (d.status["phase"], d.status["reason"], d.status["outcome"]) == \
         ("Succeeded", "MasterMoved", "Rejected")
     assert "9999999999" in d.status["message"] and "again" in d.status["message"]
+
+
+def test_a_queued_experiment_is_rebased_onto_the_current_master_before_it_starts():
+    from controller.core.reconcile import Candidate
+    queued = st("Queued", parentHash="a" * 40, candidateHash="1" * 40, queuedAt=NOW)
+    w = World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW, status=queued, slot="0")
+    d = reconcile(w)
+    assert d.kinds() == ["materialise"]  # no submit before the rebase
+    rebased = Candidate(candidate_hash="2" * 40, semantic_hash="3" * 40, parent_hash="9" * 40,
+                        rebased_from="a" * 40, commit="4" * 40)
+    d = reconcile(dataclasses.replace(w, candidate=rebased))
+    assert d.kinds() == ["submit"]
+    assert (d.status["parentHash"], d.status["candidateHash"], d.status["rebasedFrom"]) == \
+        ("9" * 40, "2" * 40, "a" * 40)
+    assert d.status["parentValBpb"] == 0.95  # judged against the master it now runs on
+    conflict = Candidate(refusal="Conflict", reason="RebaseConflict", message="conflicts")
+    d = reconcile(dataclasses.replace(w, candidate=conflict))
+    assert (d.status["phase"], d.status["reason"]) == ("Conflict", "RebaseConflict")
+    assert "submit" not in d.kinds()
+    d = reconcile(dataclasses.replace(w, candidate=rebased, duplicate_of="master (first)"))
+    assert d.status["phase"] == "Duplicate" and "submit" not in d.kinds()
+
+
+def test_a_win_inside_the_margin_is_confirmed_by_fresh_runs_of_both_programs():
+    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
+    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
+              run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}}))
+    d = reconcile(w)
+    assert (d.status["phase"], d.status["reason"]) == ("Confirming", "ConfirmRuns")
+    assert "promote" not in d.kinds() and not d.status.get("job")
+    names = []
+    status = d.status
+    vals = {"c": 0.97, "m": 1.0}
+    for _ in range(4):  # c1, m1, c2, m2
+        d = reconcile(dataclasses.replace(w, status=status, run=None, slot="0"))
+        (sub,) = [i for i in d.intents if i.kind == "submit"]
+        names.append((sub.args["run"], sub.args["program"], sub.args["seed"]))
+        run = RunObservation(sub.args["run"], "succeeded",
+                             result={"metrics": {"val_bpb": vals[sub.args["run"][-2]]}})
+        d = reconcile(dataclasses.replace(w, status=d.status, run=run))
+        status = d.status
+    assert names == [("exp-e-1-c1", "candidate", 1), ("exp-e-1-m1", "master", 1),
+                     ("exp-e-1-c2", "candidate", 2), ("exp-e-1-m2", "master", 2)]
+    (promote,) = [i for i in d.intents if i.kind == "promote"]
+    assert promote.args["val_bpb"] == 0.97  # the fresh runs' mean, not the lucky first run
+    from controller.core.reconcile import PromotionResult
+    d = reconcile(dataclasses.replace(w, status=status, run=None,
+                                      promotion=PromotionResult(True, 1.0)))
+    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
+        ("Succeeded", "Promoted", "Confirmed")
+    (row,) = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert row["run_id"] == "exp-e-1" and row["promoted"] == "1"
+
+
+def test_a_confirmation_inside_the_noise_is_not_promoted():
+    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+                confirm={"runs": 2, "candidate": [0.995, 1.0], "master": [1.0]},
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=2))
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+                        status=status, run=RunObservation("exp-e-1-m2", "succeeded",
+                                                          result={"metrics": {"val_bpb": 1.0}})))
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
+        ("Succeeded", "Rejected", "WithinNoise")
+
+
+def test_minimum_delta_auto_waits_for_the_noise_then_uses_it():
+    lab = dataclasses.replace(LAB, min_delta="auto")
+    queued = st("Queued", parentHash="a" * 40, queuedAt=NOW)
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, status=queued))
+    assert d.intents == [] and any(c["reason"] == "WaitingForNoise" for c in d.status["conditions"])
+    # sigma 0.01: the margin is 2.5 * 0.01 * sqrt(2) = 0.0354; a 0.03 win is not enough
+    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.97}})
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
+                        run=run))
+    assert "promote" not in d.kinds() and d.status["reason"] == "Rejected"
+    assert d.status["verdict"] == "WithinNoise"
+    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.96}})
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
+                        run=run))
+    assert "promote" in d.kinds()
 
 
 def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master():

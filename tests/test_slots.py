@@ -26,7 +26,7 @@ def test_each_run_holds_its_own_gpu_and_frees_it_when_done(tmp_path, monkeypatch
     monkeypatch.setenv("AUTOLAB_GPUS", "0,1")
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
-    lab.repo.set_master_metric(9.9)  # slots, not the baseline, are under test
+    lab.repo.set_master_metric(0.001)  # slots are under test: nobody wins, the master stays
     for name, old, new, prio in (("first", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4", 0),
                                  ("second", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3", 0),
                                  ("urgent", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.2", 5)):

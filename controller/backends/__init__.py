@@ -34,6 +34,7 @@ class RunRequest:
     gpus: int = 1
     overrides: dict | None = None  # per-experiment backend settings (e.g. spec.hf)
     owner: dict | None = None      # in a cluster: the ownerReference its objects carry
+    seed: int = 0                  # the harness's seed: 0 measured run, 1.. repeat runs
 
 
 class Backend(Protocol):

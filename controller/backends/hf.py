@@ -375,6 +375,8 @@ class HfBackend:
                    "--source", req.data]
         if req.budget_seconds:
             command += ["--budget", str(req.budget_seconds)]
+        if req.seed:
+            command += ["--seed", str(req.seed)]
         bucket = self.bucket_id(settings, namespace)
         volumes = None
         if bucket:

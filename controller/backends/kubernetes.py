@@ -206,6 +206,8 @@ class KubernetesBackend:
         budget = req.budget_seconds or _profile_budget(req.profile)
         candidate = f"{CANDIDATE_DIR}/{self.surface_name()}"
         budget_args = ["--budget", str(req.budget_seconds)] if req.budget_seconds else []
+        if req.seed:  # a repeat run of one program (noise, confirm): the harness's seed
+            budget_args += ["--seed", str(req.seed)]
         common_env = [{"name": "AUTOLAB_BENCH_PROFILE", "value": req.profile},
                       {"name": "PYTHONUNBUFFERED", "value": "1"},
                       {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},

@@ -163,6 +163,8 @@ class LocalBackend:
                "--sandbox", "none" if unsafe else "bwrap", "--key-fd", str(key_r), "--run", req.run]
         if req.budget_seconds:
             cmd += ["--budget", str(req.budget_seconds)]
+        if req.seed:
+            cmd += ["--seed", str(req.seed)]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
                         "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS")}

@@ -9,6 +9,8 @@ controller loop as `autolab run`:
                         (the demo's seed has an lm_head learning rate a hundred
                         times too low, so the improvement does not hang on noise)
     regress-frozen      block matrices frozen (LR 0)        -> Succeeded, Rejected
+                        (rebased onto improve-lr before it starts; a win must
+                        beat the master by minDelta 0.02, above a tiny run's noise)
     repeat-improve      improve-lr's diff again             -> Duplicate (no run)
     repeat-commented    improve-lr plus a comment           -> Duplicate (AST hash)
     touch-prepare       edits the fixed harness             -> Invalid (no run)
@@ -81,6 +83,9 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
     # One run at a time, even on a machine with GPUs: the story below depends on the order.
     doc = yaml.safe_load((root / LAB_FILE).read_text())
     doc["spec"]["capacity"] = {"gpuSlots": 1}
+    # A tiny run's val_bpb moves by about 0.015 from run to run: a win must be larger than that
+    # to be one (a real lab measures its noise: `autolab noise`, minDelta auto).
+    doc["spec"]["promotion"] = {"minDelta": 0.02}
     (root / LAB_FILE).write_text(yaml.safe_dump(doc, sort_keys=False))
     lab = LocalLab(root)
     seed = lab.repo.master()

@@ -9,7 +9,19 @@ kopf operator and the local loop share it, and tables of worlds test it.
 
     Pending -> Invalid | Duplicate | Conflict
     Pending -> Queued -> Running -> Succeeded (outcome Promoted | Rejected) | Failed
+    Running -> Confirming -> Succeeded   (measured again before the verdict)
     any non-terminal phase -> Cancelled (the spec was deleted)
+
+The master moves only by real, cumulative improvements:
+
+- A queued experiment is rebased onto the current master right before its run
+  starts (a conflict ends it Conflict, an empty result Duplicate).
+- A run judged after the master moved is judged against its own parent's
+  measurement; if it won there, a rebased follow-up run (attempt 2, then 3)
+  measures it on the current master, and only that run can promote it.
+- A win inside the margin (`promotion.minDelta`, a number or `auto` from the
+  lab's noise) is confirmed when the lab asks for confirm runs: fresh runs of
+  the candidate and of its master, then the test in `controller.core.noise`.
 
 Every intent is idempotent and every one that must happen at a terminal phase
 (recording the ledger row, removing the worktree) is issued again until the
@@ -25,9 +37,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.core.noise import MARGIN_Z, MAX_ATTEMPTS, confirm, margin, mean
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
-from controller.core.status import (ACTIVE, CANCELLED, DUPLICATE, FAILED,  # noqa: F401
+from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FAILED,  # noqa: F401
                                     HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
                                     NOT_MEASURED, RUNNING, SUCCEEDED, TERMINAL, Condition,
                                     Reason)
@@ -102,6 +115,7 @@ class World:
     promotion: PromotionResult | None = None
     recorded: bool = False
     worktree: bool = False
+    noise: float | None = None  # the lab's measured sigma for its profile and budget
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -110,8 +124,9 @@ class World:
 class Intent:
     """One idempotent effect for the front end to carry out.
 
-    kinds: materialise, acquire-slot(priority, queued_at), submit(run, slot, backend),
-    cancel(run), promote(run, val_bpb), record(row), cleanup.
+    kinds: materialise, acquire-slot(priority, queued_at), submit(run, slot, backend,
+    program, seed), cancel(run), promote(run, val_bpb, margin), record(row), cleanup,
+    cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
     """
 
     kind: str
@@ -280,13 +295,47 @@ def _reconcile_pending(s: _Step) -> Decision:
     return _reconcile_active(s)
 
 
+def next_run(name: str, st: dict) -> dict:
+    """The run an active experiment submits next: its name, program and harness seed.
+
+    The first run of attempt n is `exp-<name>-<n>` (seed 0, as the master's baseline). Confirm
+    runs alternate candidate and master, seeds 1..N: `exp-<name>-<n>-c1`, `-m1`, `-c2`, ...
+    """
+    main = run_name(name, int(st.get("attempt") or 1))
+    c = st.get("confirm")
+    if not c:
+        return {"name": main, "program": "candidate", "seed": 0}
+    if len(c["candidate"]) <= len(c["master"]):
+        return {"name": f"{main}-c{len(c['candidate']) + 1}", "program": "candidate",
+                "seed": len(c["candidate"]) + 1}
+    return {"name": f"{main}-m{len(c['master']) + 1}", "program": "master",
+            "seed": len(c["master"]) + 1}
+
+
+def _margin(w: World) -> float | None:
+    return margin(w.lab.min_delta, w.noise)
+
+
+def _moved(w: World, st: dict) -> bool:
+    parent = st.get("parentHash") or ""
+    return bool(parent) and parent != w.master.hash and w.master.experiment != w.name
+
+
 def _reconcile_active(s: _Step) -> Decision:
     w, st = s.w, s.st
+    if (st.get("confirm") or {}).get("verdict") is not None:
+        return _decide_confirmed(s)
     job = st.get("job")
     if not job:
         if w.master.val_bpb is None:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
                         "The master has no measured val_bpb yet; its baseline run comes first.")
+            return s.decision()
+        if _margin(w) is None:
+            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_NOISE,
+                        "promotion.minDelta is auto and the lab's noise is not measured yet for "
+                        "this profile and budget: the controller measures it first "
+                        "(promotion.noiseRuns), or run `autolab noise`.")
             return s.decision()
         if w.slot is None:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_SLOT, "All slots are busy.")
@@ -294,36 +343,88 @@ def _reconcile_active(s: _Step) -> Decision:
             s.intents.append(Intent("acquire-slot", {
                 "priority": w.spec.priority if w.spec else 0, "queued_at": st.get("queuedAt", "")}))
             return s.decision()
+        nxt = next_run(w.name, st)
+        if nxt["program"] == "candidate" and not st.get("confirm") \
+                and st.get("parentHash") and st["parentHash"] != w.master.hash:
+            refused = _rebase(s)
+            if refused is not None:
+                return refused
+            if st.get("parentHash") != w.master.hash:
+                return s.decision()  # the rebase is under way (a materialise intent)
         backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
-        st["job"] = {"backend": backend, "name": run_name(w.name), "slot": w.slot}
+        st["job"] = {"backend": backend, "name": nxt["name"], "slot": w.slot,
+                     "program": nxt["program"], "seed": nxt["seed"]}
+        if nxt["name"] == run_name(w.name, int(st.get("attempt") or 1)):
+            st["run"] = nxt["name"]
+            st["parentValBpb"] = w.master.val_bpb  # what this run is judged against
+        what = "" if nxt["program"] == "candidate" and not nxt["seed"] else \
+            f" ({nxt['program']}, seed {nxt['seed']})"
         s.condition(Condition.SCHEDULED, True, Reason.SUBMITTED,
-                    f"Run {run_name(w.name)} submitted to {backend} on slot {w.slot}.")
-        s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {run_name(w.name)} on {backend}, "
-                                                     f"slot {w.slot}."))
-        s.intents.append(Intent("submit", {"run": run_name(w.name), "slot": w.slot,
-                                           "backend": backend}))
+                    f"Run {nxt['name']}{what} submitted to {backend} on slot {w.slot}.")
+        s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {nxt['name']}{what} on {backend}, "
+                                                          f"slot {w.slot}."))
+        s.intents.append(Intent("submit", {"run": nxt["name"], "slot": w.slot,
+                                           "backend": backend, "program": nxt["program"],
+                                           "seed": nxt["seed"]}))
         return s.decision()
     run = w.run
     if run is None or run.state == "missing":
         # Submitted but not visible (a crash before the backend saw it, or a lagging cache):
         # submitting again adopts the run if it exists, creates it if it does not.
         s.intents.append(Intent("submit", {"run": job["name"], "slot": job.get("slot"),
-                                           "backend": job["backend"]}))
+                                           "backend": job["backend"],
+                                           "program": job.get("program", "candidate"),
+                                           "seed": job.get("seed", 0)}))
         return s.decision()
     if run.job_id:
         job["id"] = run.job_id
     if run.state == "queued":
-        if st["phase"] != QUEUED:
+        if st["phase"] not in (QUEUED, CONFIRMING):
             s.phase(QUEUED, Reason.RUN_QUEUED, run.message or "The run waits for its GPU.")
         return s.decision()
     if run.state == "running":
-        if st["phase"] != RUNNING:
+        if st["phase"] not in (RUNNING, CONFIRMING):
             st["startedAt"] = w.now
             s.phase(RUNNING, Reason.RUN_STARTED, f"Run {job['name']} is training.")
             s.condition(Condition.RUNNING, True, Reason.RUN_STARTED,
                         f"Run {job['name']} is training.")
         return s.decision()
     return _reconcile_finished(s, run)
+
+
+def _rebase(s: _Step) -> Decision | None:
+    """Rebase a queued candidate onto the master that moved since its checks.
+
+    Returns a terminal decision when the rebase refuses it (Conflict, Duplicate); None when
+    the status now holds the rebased candidate, or a materialise intent was asked for.
+    """
+    w, st = s.w, s.st
+    c = w.candidate
+    if c is None or (not c.refusal and c.parent_hash != w.master.hash):
+        s.intents.append(Intent("materialise"))
+        return None
+    if c.refusal:
+        s.phase(c.refusal, c.reason, f"Rebased onto master {w.master.hash[:12]} before its "
+                                     f"start: {c.message}", warning=True)
+        s.condition(Condition.CHECKED, False, c.reason, c.message)
+        return _settle_terminal(s)
+    old = st.get("parentHash") or ""
+    st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
+              parentHash=c.parent_hash, commit=c.commit)
+    st["rebasedFrom"] = c.rebased_from or old
+    if w.duplicate_of:
+        st["duplicateOf"] = w.duplicate_of
+        msg = (f"Rebased onto master {w.master.hash[:12]} before its start, the candidate is "
+               f"the same program as {w.duplicate_of} (hash {c.candidate_hash[:12]}); no GPU "
+               "is spent on a repeat.")
+        s.phase(DUPLICATE, Reason.DUPLICATE_CANDIDATE, msg, warning=True)
+        s.condition(Condition.CHECKED, False, Reason.DUPLICATE_CANDIDATE, msg)
+        return _settle_terminal(s)
+    msg = (f"The master moved from {old[:12]} to {w.master.hash[:12]} while it waited: the "
+           "candidate was rebased onto it cleanly before its start.")
+    s.condition(Condition.CHECKED, True, Reason.REBASED, msg)
+    s.events.append(Event("Normal", Reason.REBASED, msg))
+    return None
 
 
 def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
@@ -334,6 +435,8 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     if run.state == "cancelled":
         s.phase(CANCELLED, Reason.RUN_CANCELLED, run.message or "The run was cancelled.", True)
         return _settle_terminal(s)
+    if st.get("confirm"):
+        return _confirm_run_finished(s, run)
     if run.state in ("failed", "error", "lost"):
         reason = {"failed": Reason.CANDIDATE_FAILED, "error": Reason.INFRASTRUCTURE_ERROR,
                   "lost": Reason.RUN_LOST}[run.state]
@@ -350,40 +453,169 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
                 True)
         return _settle_terminal(s)
     st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
-    master_val = w.master.val_bpb
+    # Judged against the master it was built on (measured when it started), not a later one.
+    base = st.get("parentValBpb")
+    if base is None:
+        base = w.master.val_bpb
     if w.promotion is not None:
-        master_val = w.promotion.master_val_bpb
-    if master_val is not None:
-        st["delta"] = round(val - master_val, 6)
-        st["masterValBpb"] = master_val
+        base = w.promotion.master_val_bpb
+    if base is not None:
+        st["delta"] = round(val - base, 6)
+        st["masterValBpb"] = base
+    need = _margin(w)
+    need = 0.0 if need is None else need
+    moved = _moved(w, st)
+    won = base is not None and (base - val) > need
+    close = base is not None and 0 < (base - val) <= need and w.lab.confirm_runs > 0
+    if w.promotion is None and w.master.experiment != w.name and (won or close):
+        if moved:
+            return _follow_up(s, val, base)
+        if won:
+            s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
+                        "Comparing against the master under its lock.")
+            s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val,
+                                                "margin": need}))
+            return s.decision()
+        return _start_confirm(s, val, base)
+    promoted = (w.promotion.promoted if w.promotion is not None
+                else w.master.experiment == w.name)
+    st["outcome"] = PROMOTED if promoted else REJECTED
+    if promoted:
+        msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f}; "
+               "the candidate is the new master.")
+        s.condition(Condition.PROMOTED, True, Reason.BEAT_MASTER, msg)
+        s.phase(SUCCEEDED, PROMOTED, msg)
+        return _settle_terminal(s)
+    reason = Reason.DID_NOT_BEAT_MASTER
+    msg = (f"{w.lab.metric} {val:.6f} did not beat the master's "
+           f"{base if base is None else f'{base:.6f}'} by more than {need:g}.")
+    if w.noise is not None and base is not None \
+            and abs(base - val) <= MARGIN_Z * w.noise * 2 ** 0.5:
+        reason = Reason.WITHIN_NOISE
+        msg += (f" The difference {val - base:+.6f} is inside the lab's noise (sigma "
+                f"{w.noise:.6f}): no measurable effect.")
+    if w.promotion is not None and w.promotion.message:
+        reason, msg = w.promotion.reason or reason, w.promotion.message
+    s.condition(Condition.PROMOTED, False, reason, msg)
+    s.phase(SUCCEEDED, Reason.MASTER_MOVED if reason == Reason.MASTER_MOVED else REJECTED, msg)
+    if reason == Reason.WITHIN_NOISE:
+        st["verdict"] = Reason.WITHIN_NOISE
+    return _settle_terminal(s)
+
+
+def _follow_up(s: _Step, val: float, base: float | None) -> Decision:
+    """It won on the master it was built on, but the master moved: measure it again, rebased."""
+    w, st = s.w, s.st
+    attempt = int(st.get("attempt") or 1)
     parent = st.get("parentHash") or ""
-    moved = bool(parent) and parent != w.master.hash and w.master.experiment != w.name
-    if w.promotion is None and beats(val, w.master.val_bpb, w.lab.min_delta) \
-            and w.master.experiment != w.name and not moved:
+    if attempt >= MAX_ATTEMPTS:
+        msg = master_moved(val, parent, w.master.hash, w.master.experiment)
+        st["outcome"] = REJECTED
+        s.condition(Condition.PROMOTED, False, Reason.MASTER_MOVED, msg)
+        s.phase(SUCCEEDED, Reason.MASTER_MOVED, msg + f" (after {attempt} attempts)")
+        return _settle_terminal(s)
+    job = st["job"]
+    msg = (f"{w.lab.metric} {val:.6f} beat its own master {parent[:12]} ({base}), but the "
+           f"master moved to {w.master.hash[:12]} ({w.master.experiment or 'seed'}) while it "
+           f"ran: a follow-up run rebased onto the current master, "
+           f"{run_name(w.name, attempt + 1)}, decides.")
+    row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
+                                      "reason": Reason.FOLLOW_UP, "message": msg})
+    if not w.recorded:
+        s.intents.append(Intent("record", {"row": row}))
+    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    st.setdefault("attempts", []).append({"run": job["name"], "parentHash": parent,
+                                          "val_bpb": val})
+    for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "confirm"):
+        st.pop(k, None)
+    st["attempt"] = attempt + 1
+    st["run"] = run_name(w.name, attempt + 1)
+    s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
+    s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
+    return s.decision()
+
+
+def _start_confirm(s: _Step, val: float, base: float) -> Decision:
+    w, st = s.w, s.st
+    n = w.lab.confirm_runs
+    job = st["job"]
+    msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f} by {base - val:.6f}, inside "
+           f"the margin {_margin(w) or 0:g}: {n} fresh runs each of the candidate and the "
+           "master decide.")
+    st["confirm"] = {"runs": n, "candidate": [], "master": []}
+    st["job"] = None
+    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    s.condition(Condition.CONFIRMING, True, Reason.CONFIRM_RUNS, msg)
+    s.phase(CONFIRMING, Reason.CONFIRM_RUNS, msg)
+    return s.decision()
+
+
+def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:
+    w, st = s.w, s.st
+    c, job = st["confirm"], st["job"]
+    program = job.get("program", "candidate")
+    val = ((run.result or {}).get("metrics") or {}).get(w.lab.metric)
+    ok = run.state == "succeeded" and _finite(val)
+    row = confirm_row(w.name, w.spec, st, job, run, val if ok else None)
+    s.intents.append(Intent("record", {"row": row}))
+    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    st["job"] = None
+    if not ok:
+        why = (run.result or {}).get("reason") or run.message or run.state
+        msg = (f"confirm run {job['name']} ({program}) ended without a {w.lab.metric} ({why}): "
+               "no verdict, so no promotion. Apply the change again under a new name to "
+               "measure it again.")
+        st["outcome"] = REJECTED
+        s.condition(Condition.CONFIRMING, False, Reason.NOT_CONFIRMED, msg)
+        s.condition(Condition.PROMOTED, False, Reason.NOT_CONFIRMED, msg)
+        s.phase(SUCCEEDED, Reason.NOT_CONFIRMED, msg, warning=True)
+        return _settle_terminal(s)
+    c[program].append(val)
+    done = len(c["candidate"]) + len(c["master"])
+    if done < 2 * c["runs"]:
+        s.phase(CONFIRMING, Reason.CONFIRM_RUNS,
+                f"Confirm runs: {done} of {2 * c['runs']} done.")
+        return s.decision()
+    v = confirm(c["candidate"], c["master"], w.noise)
+    c["verdict"] = {"promote": v.promote, "difference": round(v.difference, 6),
+                    "standardError": round(v.standard_error, 6), "critical": v.critical,
+                    "test": v.test, "explain": v.explain()}
+    return _decide_confirmed(s)
+
+
+def _decide_confirmed(s: _Step) -> Decision:
+    w, st = s.w, s.st
+    c = st["confirm"]
+    v = c["verdict"]
+    val = round(mean(c["candidate"]), 6)
+    st["delta"] = round(-v["difference"], 6)
+    if w.promotion is None and v["promote"] and w.master.experiment != w.name:
+        if _moved(w, st):
+            return _follow_up(s, val, mean(c["master"]))
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                     "Comparing against the master under its lock.")
-        s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val}))
+        s.intents.append(Intent("promote", {"run": st.get("run"), "val_bpb": val,
+                                            "margin": float("-inf")}))
         return s.decision()
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
-    reason = Reason.BEAT_MASTER
+    s.condition(Condition.CONFIRMING, False, Reason.CONFIRMED if v["promote"]
+                else Reason.WITHIN_NOISE, v["explain"])
     if promoted:
-        msg = (f"{w.lab.metric} {val:.6f} beat the master's {master_val:.6f}; "
-               "the candidate is the new master.")
-        s.condition(Condition.PROMOTED, True, Reason.BEAT_MASTER, msg)
-    else:
-        reason = Reason.DID_NOT_BEAT_MASTER
-        msg = (f"{w.lab.metric} {val:.6f} did not beat the master's "
-               f"{master_val:.6f} by more than {w.lab.min_delta}.")
-        if w.promotion is not None and w.promotion.message:
-            reason, msg = w.promotion.reason or reason, w.promotion.message
-        elif moved and beats(val, w.master.val_bpb, w.lab.min_delta):
-            reason = Reason.MASTER_MOVED
-            msg = master_moved(val, parent, w.master.hash, w.master.experiment)
-        s.condition(Condition.PROMOTED, False, reason, msg)
-    s.phase(SUCCEEDED, PROMOTED if promoted else
-            (Reason.MASTER_MOVED if reason == Reason.MASTER_MOVED else REJECTED), msg)
+        msg = (f"{v['explain']}. The candidate is the new master at its confirm runs' mean "
+               f"{val:.6f}.")
+        s.condition(Condition.PROMOTED, True, Reason.CONFIRMED, msg)
+        s.phase(SUCCEEDED, PROMOTED, msg)
+        st["verdict"] = Reason.CONFIRMED
+        return _settle_terminal(s)
+    reason, msg = Reason.WITHIN_NOISE, f"{v['explain']}: no measurable effect."
+    if w.promotion is not None and w.promotion.message:
+        reason, msg = w.promotion.reason or Reason.DID_NOT_BEAT_MASTER, w.promotion.message
+    s.condition(Condition.PROMOTED, False, reason, msg)
+    s.phase(SUCCEEDED, reason if reason == Reason.MASTER_MOVED else REJECTED, msg)
+    if reason == Reason.WITHIN_NOISE:
+        st["verdict"] = Reason.WITHIN_NOISE
     return _settle_terminal(s)
 
 
@@ -431,7 +663,7 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
         return "" if v is None else str(v)
 
     return {
-        "run_id": job.get("name") or run_name(name),
+        "run_id": st.get("run") or job.get("name") or run_name(name),
         "status": status,
         "job_id": job.get("id", ""),
         "campaign": spec.campaign if spec else "",
@@ -453,8 +685,37 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
         "rebased_from": st.get("rebasedFrom", ""),
         "duplicate_of": st.get("duplicateOf", ""),
         "backend": job.get("backend", ""),
-        "reason": st.get("reason", ""),
+        "reason": st.get("verdict") or st.get("reason", ""),
     }
+
+
+def confirm_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
+                run: RunObservation, val: float | None) -> dict:
+    """The ledger row of one confirm run (status `confirm`; `error` or `failed` if it failed).
+
+    A master's confirm run carries the master's hash: it is a measurement of that program.
+    """
+    program = job.get("program", "candidate")
+    metrics = (run.result or {}).get("metrics") or {}
+    status = "confirm" if val is not None else ("error" if run.state in ("error", "lost")
+                                                 else "failed")
+    row = {"run_id": job["name"], "status": status, "job_id": run.job_id or job.get("id", ""),
+           "campaign": spec.campaign if spec else "", "experiment_id": name,
+           "worker_id": run.worker or job.get("worker", ""),
+           "hypothesis": f"Confirm run of {name}: the {program}, seed {job.get('seed')}.",
+           "parent_hash": st.get("parentHash", ""),
+           "candidate_hash": st.get("candidateHash", "") if program == "candidate"
+           else st.get("parentHash", ""),
+           "semantic_hash": st.get("semanticHash", "") if program == "candidate" else "",
+           "val_bpb": "" if val is None else str(val), "promoted": "0",
+           "comment": "" if val is not None else ((run.result or {}).get("reason")
+                                                   or run.message),
+           "outcome": "", "backend": job.get("backend", ""),
+           "reason": "" if val is not None else ((run.result or {}).get("reason_code") or ""),
+           "rebased_from": "", "duplicate_of": "", "delta": ""}
+    for k in ("training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
+        row[k] = "" if metrics.get(k) is None else str(metrics[k])
+    return row
 
 
 # --- the baseline of a master that has no metric yet ------------------------------------------
@@ -466,6 +727,11 @@ def baseline_run_name(lab: str, master: Master, attempt: int = 1) -> str:
     """`baseline-<lab>-<master hash>-<attempt>`: unique per lab (two Labs share a namespace)
     and per attempt (each attempt has its own ledger row); at most 63 characters."""
     return f"baseline-{lab[:36]}-{master.hash[:10]}-{attempt}"
+
+
+def noise_run_name(lab: str, master: Master, seed: int) -> str:
+    """`noise-<lab>-<master hash>-s<seed>`: a repeat run of the master that measures the noise."""
+    return f"noise-{lab[:36]}-{master.hash[:10]}-s{seed}"
 
 
 def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | None,

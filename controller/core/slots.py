@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from controller.core.status import QUEUED, ExperimentStatus
+from controller.core.status import CONFIRMING, QUEUED, ExperimentStatus
 
 UNLIMITED = "cluster"  # the slot of a run whose backend schedules by itself
 
@@ -60,7 +60,7 @@ class SlotBook:
                 self.running.add(name)
                 if self.slots is not None and st.job.slot in self.slots:
                     self.held[st.job.slot] = name
-            elif st.phase == QUEUED:
+            elif st.phase in (QUEUED, CONFIRMING):
                 self.waiting[name] = (priority, st.queued_at or "")
 
     def claim(self, name: str, hashes: tuple[str | None, ...]) -> str | None:

@@ -119,9 +119,26 @@ LAB_SPEC = _obj(
                            minimum=0, maximum=1024, default=0),
         }),
         "promotion": _obj("When a finished candidate replaces the master.", {
-            "minDelta": {"type": "number", "minimum": 0, "default": 0,
-                         "description": "Promote only if val_bpb is lower than the master's by "
-                                        "more than this (0: strictly lower)."},
+            "minDelta": {
+                "description": "Promote on one run only if val_bpb is lower than the master's "
+                               "by more than this: a number (0: strictly lower), or auto "
+                               "(2.5 sigma of a two-run difference, sigma from the lab's "
+                               "noise measurement).",
+                "default": 0,
+                # A number or "auto". A structural CRD schema cannot say "number or string",
+                # so the CRD keeps this field untyped (crd_schema drops the anyOf) and the
+                # operator validates it with the whole schema.
+                "x-kubernetes-preserve-unknown-fields": True,
+                "anyOf": [{"type": "number", "minimum": 0},
+                          {"type": "string", "enum": ["auto"]}]},
+            "confirmRuns": _i("When one run wins by less than minDelta: run the candidate and "
+                              "the master this many more times each (seeds the harness sets) "
+                              "and promote only if a one-sided test at 0.025 says the "
+                              "candidate is better. 0: no confirm runs.",
+                              minimum=0, maximum=20, default=0),
+            "noiseRuns": _i("Repeat runs of the master that measure the lab's noise when "
+                            "minDelta is auto and nothing was measured yet.",
+                            minimum=2, maximum=50, default=3),
         }),
         "backend": _s("Default backend for experiments.", enum=list(BACKENDS), default="local"),
         "kubernetes": _obj("Settings of the Kubernetes Job backend.", {
@@ -186,6 +203,9 @@ def crd_schema(schema: dict) -> dict:
         if isinstance(node, dict):
             if node.get("additionalProperties") is False:
                 del node["additionalProperties"]
+            if node.get("x-kubernetes-preserve-unknown-fields") and "anyOf" in node:
+                del node["anyOf"]  # typed alternatives: not structural (see minDelta)
+                node.pop("default", None)
             for v in node.values():
                 strip(v)
         elif isinstance(node, list):
@@ -440,7 +460,9 @@ class LabSpec:
     budget_seconds: int | None = None
     data: str = "hub"
     gpu_slots: int = 0
-    min_delta: float = 0.0
+    min_delta: float | str = 0.0   # a number, or "auto" (controller.core.noise.margin)
+    confirm_runs: int = 0
+    noise_runs: int = 3
     backend: str = "local"
     kubernetes: dict = field(default_factory=dict)
     hf: dict = field(default_factory=dict)
@@ -452,9 +474,15 @@ class LabSpec:
                    metric=spec.get("metric", "val_bpb"), profile=spec.get("profile", "default"),
                    budget_seconds=spec.get("budgetSeconds"), data=spec.get("data", "hub"),
                    gpu_slots=int(spec.get("capacity", {}).get("gpuSlots", 0)),
-                   min_delta=float(spec.get("promotion", {}).get("minDelta", 0.0)),
+                   min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", 0.0)),
+                   confirm_runs=int(spec.get("promotion", {}).get("confirmRuns", 0)),
+                   noise_runs=int(spec.get("promotion", {}).get("noiseRuns", 3)),
                    backend=spec.get("backend", "local"),
                    kubernetes=dict(spec.get("kubernetes", {})), hf=dict(spec.get("hf", {})))
+
+
+def _min_delta(v: object) -> float | str:
+    return "auto" if v == "auto" else float(v)  # type: ignore[arg-type]
 
 
 def is_valid_name(name: str) -> bool:

@@ -18,10 +18,13 @@ from typing import Any
 # --- phases ------------------------------------------------------------------------------------
 
 PENDING, QUEUED, RUNNING = "Pending", "Queued", "Running"
+# Measured once, and measured again before the verdict: a rebased follow-up (the master moved
+# while it ran) or confirm runs (a win inside the margin).
+CONFIRMING = "Confirming"
 SUCCEEDED, FAILED, CANCELLED = "Succeeded", "Failed", "Cancelled"
 INVALID, DUPLICATE, CONFLICT = "Invalid", "Duplicate", "Conflict"
 TERMINAL = (INVALID, DUPLICATE, CONFLICT, SUCCEEDED, FAILED, CANCELLED)
-ACTIVE = (QUEUED, RUNNING)
+ACTIVE = (QUEUED, RUNNING, CONFIRMING)
 PROMOTED, REJECTED = "Promoted", "Rejected"  # the outcome of a Succeeded experiment
 
 
@@ -50,6 +53,13 @@ class Reason:
     BEAT_MASTER = "BeatMaster"
     DID_NOT_BEAT_MASTER = "DidNotBeatMaster"
     MASTER_MOVED = "MasterMoved"  # it beat the master, but was built on an older one
+    WAITING_FOR_NOISE = "WaitingForNoise"  # minDelta auto, and the lab's noise is not measured
+    REBASED = "Rebased"           # rebased onto the current master right before it started
+    FOLLOW_UP = "FollowUp"        # it won on an older master: a rebased run measures it again
+    CONFIRM_RUNS = "ConfirmRuns"  # it won inside the margin: fresh runs of it and the master
+    CONFIRMED = "Confirmed"       # the confirm runs' test says it is better
+    WITHIN_NOISE = "WithinNoise"  # its difference from the master is inside the noise
+    NOT_CONFIRMED = "NotConfirmed"  # a confirm run failed: no verdict, no promotion
     PROMOTED = PROMOTED
     REJECTED = REJECTED
     DELETED = "Deleted"
@@ -63,6 +73,7 @@ class Condition:
     RUNNING = "Running"
     PROMOTED = "Promoted"
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
+    CONFIRMING = "Confirming"
 
 
 # Reason codes of the run harness (bench/run.py) that a Failed phase carries as its reason,

@@ -31,7 +31,7 @@ EXPERIMENT_STATUS = {
     "x-kubernetes-preserve-unknown-fields": True,
     "properties": {
         "phase": {"type": "string", "description": "Pending, Invalid, Duplicate, Conflict, "
-                                                   "Queued, Running, Succeeded, Failed or "
+                                                   "Queued, Running, Confirming, Succeeded, Failed or "
                                                    "Cancelled."},
         "outcome": {"type": "string", "description": "Promoted or Rejected, once Succeeded."},
         "reason": {"type": "string", "description": "CamelCase reason of the last transition."},
@@ -63,6 +63,10 @@ LAB_STATUS = {
                                                     "experiment, promotedAt.",
                    "x-kubernetes-preserve-unknown-fields": True},
         "running": {"type": "integer", "description": "Runs in flight."},
+        "noise": {"type": "object", "nullable": True,
+                  "description": "The lab's measured noise: sigma of val_bpb over repeat runs "
+                                 "of the master (runs, mean, budgetSeconds, measuredAt).",
+                  "x-kubernetes-preserve-unknown-fields": True},
     },
 }
 
@@ -119,6 +123,7 @@ def lab_crd() -> dict:
         {"name": "Master", "type": "string", "jsonPath": ".status.master.hash"},
         {"name": "Best", "type": "number", "jsonPath": ".status.master.val_bpb"},
         {"name": "Running", "type": "integer", "jsonPath": ".status.running"},
+        {"name": "Noise", "type": "number", "jsonPath": ".status.noise.sigma"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 

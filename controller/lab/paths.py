@@ -66,6 +66,11 @@ class LabPaths:
         return self.research / "live"
 
     @property
+    def noise_file(self) -> Path:
+        """The lab's measured noise (`autolab noise`): research/live/noise.json."""
+        return self.live / "noise.json"
+
+    @property
     def state(self) -> Path:
         return self.root / STATE
 

@@ -151,12 +151,13 @@ class LabRepo:
             atomic_write(self.master_file, json.dumps(d, indent=2) + "\n")
 
     def promote(self, name: str, commit: str, val_bpb: float, hashes: tuple[str, str],
-                parent: str, now: str) -> PromotionResult:
+                parent: str, now: str, margin: float | None = None) -> PromotionResult:
         """Compare-and-swap: under the lock, re-read the master, compare again, then move it."""
         with self._master_lock:
             d = self.master_doc()
             previous = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
-            settled = promotion_refused(d, name, val_bpb, self.lab.min_delta, previous, parent)
+            need = margin if margin is not None else _fixed(self.lab.min_delta)
+            settled = promotion_refused(d, name, val_bpb, need, previous, parent)
             if settled is not None:
                 return settled
             self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
@@ -260,7 +261,11 @@ class LabRepo:
             self.git("branch", "-D", f"autolab/exp/{name}", check=False)
 
     def candidate_source(self, name: str) -> str:
-        return self.git("show", f"autolab/exp/{name}:{self.lab.surface}").stdout
+        return self.source_of(f"autolab/exp/{name}")
+
+    def source_of(self, commit: str) -> str:
+        """The surface file as it is in `commit` (a master's, for its confirm runs)."""
+        return self.git("show", f"{commit}:{self.lab.surface}").stdout
 
 
 def _conflict_hunk(path: Path, context: int = 2) -> str:
@@ -277,6 +282,10 @@ def _conflict_hunk(path: Path, context: int = 2) -> str:
     # git labels the sides with commit ids that differ on every attempt; name them instead.
     label = {start: "<<<<<<< current master", end: ">>>>>>> this experiment"}
     return "\n".join(f"  {i + 1:4d} | {label.get(i, lines[i])}" for i in range(lo, hi))
+
+
+def _fixed(min_delta: float | str) -> float:
+    return 0.0 if min_delta == "auto" else float(min_delta)
 
 
 def recorded_duplicate(repo: LabRepo, ledger, name: str, c: Candidate) -> str | None:

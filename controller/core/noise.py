@@ -1,0 +1,93 @@
+"""How far apart two runs of one program land, and what that makes a win.
+
+The same `train.py` run twice lands at two val_bpb values: the seed, the data
+order and the machine move it. A lab that promotes on one run against one run
+promotes noise. This module holds the numbers of that judgement, pure:
+
+- `spread(values)`: the master's spread, from repeat runs that differ only in
+  the seed the harness sets (`autolab noise`).
+- `margin(min_delta, sigma)`: what one run must beat the master by. A number
+  is taken as written; `auto` is `MARGIN_Z * sigma * sqrt(2)`: the difference
+  of two single runs has a standard deviation of sigma * sqrt(2), so noise
+  alone clears the margin in about one comparison in 4,000.
+- `confirm(candidate, master, sigma)`: the test a win inside the margin must
+  pass when the lab asks for confirm runs (`promotion.confirmRuns: N`): N fresh
+  runs of the candidate and N of the master, seeds the harness sets, and a
+  one-sided two-sample test at level ALPHA that the candidate's mean is lower.
+  With the lab's measured sigma it is a z-test; without one, Student's t on
+  the pooled spread of the fresh runs. The first run, which picked the win,
+  is not part of the test, so its luck cannot carry the decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MARGIN_Z = 2.5          # `minDelta: auto` = 2.5 sigma of a difference of two single runs
+ALPHA = 0.025           # one-sided level of the confirm test
+Z_CRIT = 1.96           # the standard normal's 97.5 % quantile: P(Z > 1.96) = 0.025
+# Student's t, 97.5 % quantiles by degrees of freedom (the test without a measured sigma).
+T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+          9: 2.262, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086,
+          25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+MAX_ATTEMPTS = 3        # runs of one experiment on successive masters (rebased follow-ups)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def spread(values: list[float]) -> float | None:
+    """The sample standard deviation (n - 1); None with fewer than two values."""
+    if len(values) < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(sum((x - m) ** 2 for x in values) / (len(values) - 1))
+
+
+def margin(min_delta: float | str, sigma: float | None) -> float | None:
+    """What one run must beat the master by; None when `auto` has no measured sigma yet."""
+    if min_delta == "auto":
+        return None if sigma is None else MARGIN_Z * sigma * math.sqrt(2)
+    return float(min_delta)
+
+
+def t_crit(df: int) -> float:
+    """The one-sided 97.5 % quantile of Student's t with `df` degrees of freedom."""
+    if df <= 0:
+        return math.inf
+    best = min((k for k in T_CRIT if k >= df), default=None)
+    return T_CRIT[best] if best is not None else Z_CRIT
+
+
+@dataclass(frozen=True)
+class Verdict:
+    promote: bool
+    difference: float      # master mean - candidate mean (positive: the candidate is better)
+    standard_error: float
+    critical: float        # how many standard errors the difference must reach
+    test: str              # "z" (the lab's sigma) or "t" (the fresh runs' pooled spread)
+
+    def explain(self) -> str:
+        word = "passes" if self.promote else "fails"
+        return (f"confirm runs: the candidate's mean is {self.difference:+.6f} better than the "
+                f"master's, {self.difference / self.standard_error if self.standard_error else 0:.2f}"
+                f" standard errors ({self.standard_error:.6f}; a one-sided {self.test}-test at "
+                f"{ALPHA:g} needs {self.critical:.2f}): it {word}")
+
+
+def confirm(candidate: list[float], master: list[float], sigma: float | None) -> Verdict:
+    """The confirm test on fresh runs of both programs (see the module docstring)."""
+    d = mean(master) - mean(candidate)
+    n, m = len(candidate), len(master)
+    if sigma is not None and sigma > 0:
+        se, crit, test = sigma * math.sqrt(1 / n + 1 / m), Z_CRIT, "z"
+    else:
+        df = n + m - 2
+        ss = sum((x - mean(candidate)) ** 2 for x in candidate) + \
+            sum((x - mean(master)) ** 2 for x in master)
+        pooled = math.sqrt(ss / df) if df > 0 else math.inf
+        se, crit, test = pooled * math.sqrt(1 / n + 1 / m), t_crit(df), "t"
+    promote = math.isfinite(se) and d > 0 and d > crit * se
+    return Verdict(promote, d, se, crit, test)
