@@ -65,7 +65,8 @@ from controller.core.failures import (RECONCILE_ERROR, failing, failure_message,
                                       with_recovery)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
                                        PromotionResult, RunObservation, World, baseline_run_name,
-                                       noise_run_name, reconcile, reconcile_baseline, run_name)
+                                       master_run_row, noise_run_name, reconcile,
+                                       reconcile_baseline, run_name)
 from controller.core.slots import SlotBook
 from controller.core.status import ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -322,7 +323,7 @@ class Engine:
                       run=run, promotion=promotion,
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
-                      worktree=self._leftovers(name, st), noise=self.noise_sigma())
+                      worktree=self._leftovers(name, st), **self._noise_world())
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -349,7 +350,8 @@ class Engine:
                     if not candidate.refusal and spec_doc is not None:
                         self._keep_checked_spec(obs.key, spec_doc)
                 elif intent.kind == "acquire-slot":
-                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now) \
+                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now,
+                                           confirm=a.get("confirm", False)) \
                         if schedule else None
                     waiting = slot is None
                 elif intent.kind == "submit":
@@ -523,9 +525,18 @@ class Engine:
             return None
         return doc
 
-    def noise_sigma(self) -> float | None:
+    def _noise_world(self) -> dict:
+        """What the core reads of the lab's noise: sigma, its degrees of freedom, and the
+        master's val_bpb averaged over the repeat runs of the master they came from."""
         doc = self.noise_record()
-        return None if doc is None else float(doc["sigma"])
+        if doc is None:
+            return {}
+        out = {"noise": float(doc["sigma"]), "noise_df": max(0, int(doc.get("runs", 0)) - 1)}
+        m = self.master.master()
+        if doc.get("master") == m.hash and m.val_bpb is not None and doc.get("values"):
+            values = [float(v) for v in doc["values"]] + [m.val_bpb]
+            out["reference"] = round(sum(values) / len(values), 6)
+        return out
 
     def wants_noise(self) -> bool:
         return self.lab.min_delta == "auto" and self.noise_record() is None
@@ -579,8 +590,7 @@ class Engine:
                 self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
                 state = BaselineState(name, "running")
                 continue
-            intents = reconcile_baseline(m, obs, None, False)
-            row = dict(next(i for i in intents if i.kind == "record").args["row"])
+            row, _ = master_run_row(m, obs)
             if row["status"] == "baseline":
                 row["status"] = "noise"
             row.update(experiment_id="noise", backend=self.default_backend,

@@ -80,6 +80,25 @@ def test_regressions_and_duplicates_go_to_do_not_repeat_by_campaign(root):
     assert (root / "research" / "experiments" / "crashed.md").exists()
 
 
+def test_a_difference_inside_the_noise_is_no_measurable_effect_not_a_regression(root):
+    remember(root, "worse-by-noise", delta=0.004, verdict="WithinNoise")
+    remember(root, "worse-for-real", delta=0.05)
+    dnr = (root / "research" / "do-not-repeat.md").read_text()
+    assert "`worse-for-real`" in dnr and "`worse-by-noise`" not in dnr
+    nme = (root / "research" / "no-measurable-effect.md").read_text()
+    assert "- `worse-by-noise` (" in nme and "no measurable effect" in nme
+    assert "`worse-for-real`" not in nme
+
+
+def test_repeat_runs_and_a_follow_ups_first_run_write_no_memory(root):
+    r, spec, status = row("confirming", delta=0.03)
+    memory.remember(root, SURFACE, dict(r, status="confirm", run_id="exp-confirming-1-c1"),
+                    spec, status)
+    memory.remember(root, SURFACE, dict(r, reason="FollowUp"), spec, status)
+    assert not (root / "research" / "experiments" / "confirming.md").exists()
+    assert not (root / "research" / "do-not-repeat.md").exists()
+
+
 def test_people_may_annotate_and_nothing_is_written_twice(root):
     remember(root, "worse", delta=0.02)
     dnr = root / "research" / "do-not-repeat.md"

@@ -240,10 +240,12 @@ def test_a_loser_on_an_older_master_is_judged_against_its_own_parent():
 
 
 def test_the_follow_up_gives_up_after_the_last_attempt():
+    from controller.core.noise import MAX_ATTEMPTS
+    last = f"exp-e-{MAX_ATTEMPTS}"
     d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW,
-                        status=st("Confirming", job=dict(JOB, name="exp-e-3"), attempt=3,
-                                  run="exp-e-3", parentHash="a" * 40, parentValBpb=1.0),
-                        run=RunObservation("exp-e-3", "succeeded",
+                        status=st("Confirming", job=dict(JOB, name=last), attempt=MAX_ATTEMPTS,
+                                  run=last, parentHash="a" * 40, parentValBpb=1.0),
+                        run=RunObservation(last, "succeeded",
                                            result={"metrics": {"val_bpb": 0.90}})))
     assert "promote" not in d.kinds()
     assert (d.status["phase"], d.status["reason"], d.status["outcome"]) == \
@@ -322,14 +324,15 @@ def test_minimum_delta_auto_waits_for_the_noise_then_uses_it():
     queued = st("Queued", parentHash="a" * 40, queuedAt=NOW)
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, status=queued))
     assert d.intents == [] and any(c["reason"] == "WaitingForNoise" for c in d.status["conditions"])
-    # sigma 0.01: the margin is 2.5 * 0.01 * sqrt(2) = 0.0354; a 0.03 win is not enough
-    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.97}})
+    # sigma 0.01: the margin is 3.5 * 0.01 * sqrt(2) = 0.0495; a 0.02 win is not enough, and
+    # is inside the noise (2 * 0.01 * sqrt(2) = 0.028)
+    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}})
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
                         status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
                         run=run))
     assert "promote" not in d.kinds() and d.status["reason"] == "Rejected"
     assert d.status["verdict"] == "WithinNoise"
-    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.96}})
+    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.94}})
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
                         status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
                         run=run))
@@ -342,3 +345,44 @@ def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master
     refused = promotion_refused(current, "e", 0.90, 0.0, None, parent="a" * 40)
     assert refused is not None and not refused.promoted and refused.reason == "MasterMoved"
     assert promotion_refused(current, "e", 0.90, 0.0, None, parent="9" * 40) is None
+
+
+def test_the_confirm_test_pools_the_labs_noise_and_is_never_too_lenient():
+    from controller.core.noise import confirm, t_crit
+    assert t_crit(11) == t_crit(10) > t_crit(12)  # between table rows: the stricter value
+    # a difference of 1.5 standard errors is not enough; of 3 it is
+    assert not confirm([0.99, 1.0], [1.0, 1.01], sigma=0.01, sigma_df=10).promote
+    assert confirm([0.97, 0.96, 0.97], [1.0, 1.0, 0.99], sigma=0.01, sigma_df=10).promote
+    # no measured noise: the fresh runs' own spread, with their few degrees of freedom
+    v = confirm([0.97, 0.96], [1.0, 0.99])
+    assert v.critical == t_crit(2) and not v.promote
+
+
+def test_a_confirmed_win_on_a_master_that_moved_gets_a_follow_up():
+    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=1)
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+                metrics={"val_bpb": 0.98},
+                confirm={"runs": 1, "candidate": [0.97], "master": []},
+                job=dict(JOB, name="exp-e-1-m1", program="master", seed=1))
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, noise=0.001,
+                        noise_df=10, status=status,
+                        run=RunObservation("exp-e-1-m1", "succeeded",
+                                           result={"metrics": {"val_bpb": 1.0}})))
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["reason"], d.status["attempt"]) == \
+        ("Confirming", "FollowUp", 2)
+    # straight to fresh confirm runs of the rebased candidate and the new master
+    assert d.status["confirm"] == {"runs": 1, "candidate": [], "master": []}
+    rows = [i.args["row"]["run_id"] for i in d.intents if i.kind == "record"]
+    assert rows == ["exp-e-1-m1", "exp-e-1"]
+
+
+def test_confirm_runs_stop_when_the_master_moves_between_them():
+    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=3)
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+                metrics={"val_bpb": 0.98},
+                confirm={"runs": 3, "candidate": [0.97], "master": [1.0]})
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, status=status,
+                        slot="0"))
+    assert "submit" not in d.kinds(), "no confirm run is spent on a pair that cannot promote"
+    assert (d.status["reason"], d.status["attempt"]) == ("FollowUp", 2)

@@ -153,17 +153,54 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
 
 def cmd_run(a) -> int:
     lab = LocalLab(a.lab)
-    if a.unsafe_no_sandbox:
+    _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
+    return run_loop(lab, watch=a.watch, interval=a.interval)
+
+
+def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
+    if unsafe:
         os.environ[UNSAFE_ENV] = "1"
         print("autolab: WARNING: candidates run WITHOUT a sandbox (--unsafe-no-sandbox): a hostile "
               "train.py can forge its metric and change the lab; every result says so",
               file=sys.stderr)
-    else:
-        problem = lab.backends["local"].sandbox_problem()
-        if problem:
-            raise CliError(f"cannot isolate candidates on this machine: {problem}. Install "
-                           "bubblewrap, or pass --unsafe-no-sandbox for candidates you trust")
-    return run_loop(lab, watch=a.watch, interval=a.interval)
+        return
+    problem = lab.backends["local"].sandbox_problem()
+    if problem:
+        raise CliError(f"cannot isolate candidates on this machine: {problem}. Install "
+                       "bubblewrap, or pass --unsafe-no-sandbox for candidates you trust")
+
+
+def cmd_noise(a) -> int:
+    """`autolab noise --runs N`: the master's baseline, then N repeat runs (harness seeds 1..N)."""
+    if a.runs < 2:
+        raise CliError(f"--runs {a.runs}: the spread needs at least 2 runs; pass --runs 3 or more")
+    lab = LocalLab(a.lab)
+    _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
+    engine = lab.engine
+    print(f"noise: {a.runs} repeat runs of the master ({lab.lab.profile} profile, budget "
+          f"{lab.lab.budget_seconds or 'the profile default'} s); each differs only in the "
+          "harness seed", flush=True)
+    shown = None
+    while True:
+        state = engine.baseline() if engine.master.master().val_bpb is None \
+            else engine.measure_noise(a.runs)
+        if engine.master.master().val_bpb is not None and state.state == "measured" \
+                and engine.noise_record() is not None:
+            break
+        if state.state == "failed":
+            raise CliError(f"{state.message}; see the runs' logs under "
+                           f"{lab.paths.state / 'runs'}, fix the cause, then run again")
+        if state.run and state.run != shown:
+            print(f"  {state.run}: {state.state}", flush=True)
+            shown = state.run
+        time.sleep(a.interval)
+    doc = engine.noise_record() or {}
+    values = ", ".join(f"{v:.6f}" for v in doc.get("values", []))
+    print(f"sigma {doc['sigma']:.6f} val_bpb over {doc['runs']} runs (mean {doc['mean']:.6f}; "
+          f"{values})")
+    print(f"written to {lab.paths.noise_file}; with promotion.minDelta auto the margin is "
+          f"{2.5 * doc['sigma'] * 2 ** 0.5:.6f} (2.5 sigma of a two-run difference)")
+    return 0
 
 
 def cmd_get(a) -> int:

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--unsafe-no-sandbox", action="store_true",
                     help="run candidates without bubblewrap (only for code you trust; every "
                          "result says so)")
+    sp = add("noise", lab.cmd_noise, "measure the master's run-to-run spread (sigma of val_bpb) "
+             "on this machine and budget: repeat runs with harness seeds 1..N")
+    sp.add_argument("--runs", type=int, default=5, help="repeat runs of the master (at least 2)")
+    sp.add_argument("--unsafe-no-sandbox", action="store_true",
+                    help="run without bubblewrap (only for code you trust)")
+    sp.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
     sp = add("get", lab.cmd_get, "list experiments (or one)")
     sp.add_argument("name", nargs="?")
     sp.add_argument("-o", "--output", choices=["wide", "json", "yaml"])

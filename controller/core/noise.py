@@ -8,15 +8,20 @@ promotes noise. This module holds the numbers of that judgement, pure:
   the seed the harness sets (`autolab noise`).
 - `margin(min_delta, sigma)`: what one run must beat the master by. A number
   is taken as written; `auto` is `MARGIN_Z * sigma * sqrt(2)`: the difference
-  of two single runs has a standard deviation of sigma * sqrt(2), so noise
-  alone clears the margin in about one comparison in 4,000.
-- `confirm(candidate, master, sigma)`: the test a win inside the margin must
+  of two single runs has a standard deviation of sigma * sqrt(2), and sigma is
+  itself estimated from a few runs, so the margin is wide (3.5 of those):
+  noise alone clears it in about one comparison in 4,000 when sigma is right,
+  and in about one in 50 when sigma came out 40 % low.
+- `confirm(candidate, master, noise)`: the test a win inside the margin must
   pass when the lab asks for confirm runs (`promotion.confirmRuns: N`): N fresh
   runs of the candidate and N of the master, seeds the harness sets, and a
-  one-sided two-sample test at level ALPHA that the candidate's mean is lower.
-  With the lab's measured sigma it is a z-test; without one, Student's t on
-  the pooled spread of the fresh runs. The first run, which picked the win,
-  is not part of the test, so its luck cannot carry the decision.
+  one-sided two-sample Student's t-test at level ALPHA that the candidate's
+  mean is lower. The variance is pooled from the fresh runs and, when the lab
+  measured its noise, from those repeat runs too (their degrees of freedom
+  count). The first run, which picked the win, is not part of the test, so
+  its luck cannot carry the decision.
+- `within_noise(difference, sigma)`: a difference inside NOISE_Z two-run
+  standard deviations is "no measurable effect", not a regression.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MARGIN_Z = 2.5          # `minDelta: auto` = 2.5 sigma of a difference of two single runs
+MARGIN_Z = 3.5          # `minDelta: auto` = 3.5 sigma of a difference of two single runs
+NOISE_Z = 2.0           # |difference| <= 2 sigma of a two-run difference: no measurable effect
 ALPHA = 0.025           # one-sided level of the confirm test
-Z_CRIT = 1.96           # the standard normal's 97.5 % quantile: P(Z > 1.96) = 0.025
 # Student's t, 97.5 % quantiles by degrees of freedom (the test without a measured sigma).
 T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
           9: 2.262, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086,
           25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
-MAX_ATTEMPTS = 3        # runs of one experiment on successive masters (rebased follow-ups)
+# Attempts of one experiment on successive masters (its first run and rebased follow-ups).
+# Each follow-up answers a promotion, so the count is bounded anyway; the cap bounds what one
+# experiment spends while a lab keeps promoting others.
+MAX_ATTEMPTS = 10
 
 
 def mean(xs: list[float]) -> float:
@@ -54,11 +62,11 @@ def margin(min_delta: float | str, sigma: float | None) -> float | None:
 
 
 def t_crit(df: int) -> float:
-    """The one-sided 97.5 % quantile of Student's t with `df` degrees of freedom."""
+    """The one-sided 97.5 % quantile of Student's t with `df` degrees of freedom (beyond 120,
+    the table's last value, 1.980, a little above the normal's 1.960)."""
     if df <= 0:
         return math.inf
-    best = min((k for k in T_CRIT if k >= df), default=None)
-    return T_CRIT[best] if best is not None else Z_CRIT
+    return T_CRIT[max(k for k in T_CRIT if k <= df)]  # the next smaller df: never too lenient
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ class Verdict:
     difference: float      # master mean - candidate mean (positive: the candidate is better)
     standard_error: float
     critical: float        # how many standard errors the difference must reach
-    test: str              # "z" (the lab's sigma) or "t" (the fresh runs' pooled spread)
+    test: str              # "t": Student's, on the pooled spread
 
     def explain(self) -> str:
         word = "passes" if self.promote else "fails"
@@ -77,17 +85,27 @@ class Verdict:
                 f"{ALPHA:g} needs {self.critical:.2f}): it {word}")
 
 
-def confirm(candidate: list[float], master: list[float], sigma: float | None) -> Verdict:
-    """The confirm test on fresh runs of both programs (see the module docstring)."""
+def within_noise(difference: float, sigma: float | None) -> bool:
+    return sigma is not None and abs(difference) <= NOISE_Z * sigma * math.sqrt(2)
+
+
+def confirm(candidate: list[float], master: list[float], sigma: float | None = None,
+            sigma_df: int = 0) -> Verdict:
+    """The confirm test on fresh runs of both programs (see the module docstring).
+
+    `sigma` and `sigma_df` are the lab's measured noise and its degrees of freedom (repeat
+    runs minus one); they are pooled with the fresh runs' own spread.
+    """
     d = mean(master) - mean(candidate)
     n, m = len(candidate), len(master)
-    if sigma is not None and sigma > 0:
-        se, crit, test = sigma * math.sqrt(1 / n + 1 / m), Z_CRIT, "z"
-    else:
-        df = n + m - 2
-        ss = sum((x - mean(candidate)) ** 2 for x in candidate) + \
-            sum((x - mean(master)) ** 2 for x in master)
-        pooled = math.sqrt(ss / df) if df > 0 else math.inf
-        se, crit, test = pooled * math.sqrt(1 / n + 1 / m), t_crit(df), "t"
+    ss = sum((x - mean(candidate)) ** 2 for x in candidate) + \
+        sum((x - mean(master)) ** 2 for x in master)
+    df = n + m - 2
+    if sigma is not None and sigma_df > 0:
+        ss += sigma ** 2 * sigma_df
+        df += sigma_df
+    pooled = math.sqrt(ss / df) if df > 0 else math.inf
+    se = pooled * math.sqrt(1 / n + 1 / m)
+    crit = t_crit(df)
     promote = math.isfinite(se) and d > 0 and d > crit * se
-    return Verdict(promote, d, se, crit, test)
+    return Verdict(promote, d, se, crit, "t")

@@ -37,7 +37,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.noise import MARGIN_Z, MAX_ATTEMPTS, confirm, margin, mean
+from controller.core.noise import MAX_ATTEMPTS, confirm, margin, mean, within_noise
+from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
 from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FAILED,  # noqa: F401
@@ -116,6 +117,8 @@ class World:
     recorded: bool = False
     worktree: bool = False
     noise: float | None = None  # the lab's measured sigma for its profile and budget
+    noise_df: int = 0           # its degrees of freedom (repeat runs - 1)
+    reference: float | None = None  # the master's val_bpb averaged over its repeat runs, if any
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -326,6 +329,13 @@ def _reconcile_active(s: _Step) -> Decision:
     if (st.get("confirm") or {}).get("verdict") is not None:
         return _decide_confirmed(s)
     job = st.get("job")
+    c = st.get("confirm")
+    if not job and c and (c["candidate"] or c["master"]) and _moved(w, st) \
+            and w.promotion is None:
+        # Between two confirm runs the master moved: the rest of them would measure a pair
+        # that can no longer be promoted. Start over on the new master.
+        return _follow_up(s, (st.get("metrics") or {}).get(w.lab.metric, 0.0),
+                          st.get("parentValBpb"), done=len(c["candidate"]) + len(c["master"]))
     if not job:
         if w.master.val_bpb is None:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
@@ -338,13 +348,17 @@ def _reconcile_active(s: _Step) -> Decision:
                         "(promotion.noiseRuns), or run `autolab noise`.")
             return s.decision()
         if w.slot is None:
-            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_SLOT, "All slots are busy.")
+            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_SLOT,
+                        "Waiting for a slot; confirm runs go one experiment at a time."
+                        if st.get("confirm") else "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
             s.intents.append(Intent("acquire-slot", {
-                "priority": w.spec.priority if w.spec else 0, "queued_at": st.get("queuedAt", "")}))
+                "priority": queue_priority(w.spec.priority if w.spec else 0, st.get("phase")),
+                "queued_at": st.get("queuedAt", ""), "confirm": bool(st.get("confirm"))}))
             return s.decision()
         nxt = next_run(w.name, st)
-        if nxt["program"] == "candidate" and not st.get("confirm") \
+        fresh = not c or not (c["candidate"] or c["master"])
+        if nxt["program"] == "candidate" and fresh \
                 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)
             if refused is not None:
@@ -356,7 +370,9 @@ def _reconcile_active(s: _Step) -> Decision:
                      "program": nxt["program"], "seed": nxt["seed"]}
         if nxt["name"] == run_name(w.name, int(st.get("attempt") or 1)):
             st["run"] = nxt["name"]
-            st["parentValBpb"] = w.master.val_bpb  # what this run is judged against
+            # What this run is judged against: the master's measurement, averaged over its
+            # repeat runs where there are some (one lucky baseline does not set the bar).
+            st["parentValBpb"] = w.reference if w.reference is not None else w.master.val_bpb
         what = "" if nxt["program"] == "candidate" and not nxt["seed"] else \
             f" ({nxt['program']}, seed {nxt['seed']})"
         s.condition(Condition.SCHEDULED, True, Reason.SUBMITTED,
@@ -489,8 +505,7 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     reason = Reason.DID_NOT_BEAT_MASTER
     msg = (f"{w.lab.metric} {val:.6f} did not beat the master's "
            f"{base if base is None else f'{base:.6f}'} by more than {need:g}.")
-    if w.noise is not None and base is not None \
-            and abs(base - val) <= MARGIN_Z * w.noise * 2 ** 0.5:
+    if base is not None and within_noise(base - val, w.noise):
         reason = Reason.WITHIN_NOISE
         msg += (f" The difference {val - base:+.6f} is inside the lab's noise (sigma "
                 f"{w.noise:.6f}): no measurable effect.")
@@ -503,8 +518,14 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     return _settle_terminal(s)
 
 
-def _follow_up(s: _Step, val: float, base: float | None) -> Decision:
-    """It won on the master it was built on, but the master moved: measure it again, rebased."""
+def _follow_up(s: _Step, val: float, base: float | None, done: int | None = None) -> Decision:
+    """It won on the master it was built on, but the master moved: measure it again, rebased.
+
+    `done`: confirm runs finished when the move was seen (they are left unused). A win that
+    needed confirm runs goes straight to confirm runs on the new master (they compare fresh
+    runs of both programs, so a new first run would add nothing to the verdict); a clear win
+    gets a new first run, which may promote it alone again.
+    """
     w, st = s.w, s.st
     attempt = int(st.get("attempt") or 1)
     parent = st.get("parentHash") or ""
@@ -514,22 +535,27 @@ def _follow_up(s: _Step, val: float, base: float | None) -> Decision:
         s.condition(Condition.PROMOTED, False, Reason.MASTER_MOVED, msg)
         s.phase(SUCCEEDED, Reason.MASTER_MOVED, msg + f" (after {attempt} attempts)")
         return _settle_terminal(s)
-    job = st["job"]
+    job = st.get("job") or {}
+    main = st.get("run") or job.get("name") or run_name(w.name, attempt)
     msg = (f"{w.lab.metric} {val:.6f} beat its own master {parent[:12]} ({base}), but the "
            f"master moved to {w.master.hash[:12]} ({w.master.experiment or 'seed'}) while it "
-           f"ran: a follow-up run rebased onto the current master, "
-           f"{run_name(w.name, attempt + 1)}, decides.")
+           f"ran{'' if done is None else f' ({done} confirm runs in)'}: a follow-up run "
+           f"rebased onto the current master, {run_name(w.name, attempt + 1)}, decides.")
     row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
                                       "reason": Reason.FOLLOW_UP, "message": msg})
     if not w.recorded:
         s.intents.append(Intent("record", {"row": row}))
-    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
-    st.setdefault("attempts", []).append({"run": job["name"], "parentHash": parent,
-                                          "val_bpb": val})
+    if job:
+        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val})
+    again = bool(st.get("confirm")) or (w.lab.confirm_runs > 0 and base is not None
+                                         and 0 < base - val <= (_margin(w) or 0.0))
     for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "confirm"):
         st.pop(k, None)
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
+    if again:
+        st["confirm"] = {"runs": w.lab.confirm_runs, "candidate": [], "master": []}
     s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
     s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
     return s.decision()
@@ -576,7 +602,7 @@ def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:
         s.phase(CONFIRMING, Reason.CONFIRM_RUNS,
                 f"Confirm runs: {done} of {2 * c['runs']} done.")
         return s.decision()
-    v = confirm(c["candidate"], c["master"], w.noise)
+    v = confirm(c["candidate"], c["master"], w.noise, w.noise_df)
     c["verdict"] = {"promote": v.promote, "difference": round(v.difference, 6),
                     "standardError": round(v.standard_error, 6), "critical": v.critical,
                     "test": v.test, "explain": v.explain()}
@@ -589,6 +615,9 @@ def _decide_confirmed(s: _Step) -> Decision:
     v = c["verdict"]
     val = round(mean(c["candidate"]), 6)
     st["delta"] = round(-v["difference"], 6)
+    if not st.get("metrics"):  # an attempt that went straight to confirm runs: their mean
+        st["metrics"] = {w.lab.metric: val}
+        st["masterValBpb"] = round(mean(c["master"]), 6)
     if w.promotion is None and v["promote"] and w.master.experiment != w.name:
         if _moved(w, st):
             return _follow_up(s, val, mean(c["master"]))
@@ -729,6 +758,23 @@ def baseline_run_name(lab: str, master: Master, attempt: int = 1) -> str:
     return f"baseline-{lab[:36]}-{master.hash[:10]}-{attempt}"
 
 
+def master_run_row(master: Master, run: RunObservation) -> tuple[dict, float | None]:
+    """The ledger row of a finished run of the master itself (a baseline, a noise run) and
+    its val_bpb (None: the run failed; the row says `error`)."""
+    val = ((run.result or {}).get("metrics") or {}).get("val_bpb")
+    ok = run.state == "succeeded" and _finite(val)
+    row = {"run_id": run.name, "status": "baseline" if ok else "error", "job_id": run.job_id,
+           "campaign": "", "experiment_id": "baseline", "worker_id": run.worker,
+           "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
+           "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
+           "comment": "" if ok else ((run.result or {}).get("reason") or run.message),
+           "reason": "" if ok else ((run.result or {}).get("reason_code") or "BaselineFailed")}
+    for k in ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
+        if k in ((run.result or {}).get("metrics") or {}):  # the ledger's metric columns
+            row[k] = str(run.result["metrics"][k])
+    return row, (val if ok else None)
+
+
 def noise_run_name(lab: str, master: Master, seed: int) -> str:
     """`noise-<lab>-<master hash>-s<seed>`: a repeat run of the master that measures the noise."""
     return f"noise-{lab[:36]}-{master.hash[:10]}-s{seed}"
@@ -749,17 +795,8 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
         return [Intent("submit", {"run": name, "slot": slot})] if slot is not None else []
     if run.state in ("queued", "running"):
         return []
-    val = ((run.result or {}).get("metrics") or {}).get("val_bpb")
-    ok = run.state == "succeeded" and _finite(val)
-    row = {"run_id": name, "status": "baseline" if ok else "error", "job_id": run.job_id,
-           "campaign": "", "experiment_id": "baseline", "worker_id": run.worker,
-           "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
-           "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
-           "comment": "" if ok else ((run.result or {}).get("reason") or run.message),
-           "reason": "" if ok else ((run.result or {}).get("reason_code") or "BaselineFailed")}
-    for k in ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
-        if k in ((run.result or {}).get("metrics") or {}):  # the ledger's metric columns
-            row[k] = str(run.result["metrics"][k])
+    row, val = master_run_row(master, run)
+    ok = val is not None
     out = [] if recorded else [Intent("record", {"row": row})]
     if ok:
         out.append(Intent("set-master-metric", {"val_bpb": val, "run": name}))

@@ -6,7 +6,13 @@ they can read and grep. When a ledger row is written, the controller writes
 diff changed, the result, the delta against the master and the outcome) from
 the template `research/templates/experiment.md`, and adds the experiments no
 one should try again to `research/do-not-repeat.md`, grouped by campaign:
-regressions (Rejected with a positive delta) and duplicates.
+regressions (Rejected with a positive delta beyond the lab's noise) and
+duplicates. A change whose difference from the master was inside the noise
+(reason WithinNoise) is not a regression: it goes to
+`research/no-measurable-effect.md` ("tried, no measurable effect"), which says
+nothing about whether it helps, only that one run could not tell. Repeat runs
+(confirm, noise) and the first run of a follow-up write no memory: the
+experiment's verdict does.
 
 Both are written once per experiment and never rewritten, so people may
 annotate them: a note that exists is left alone, and a do-not-repeat entry is
@@ -109,8 +115,27 @@ def experiment_note(row: dict, spec: dict | None, status: dict | None, surface: 
     return string.Template(template).safe_substitute(fields)
 
 
+NO_EFFECT_HEADER = ("# No measurable effect\n\nChanges whose difference from the master was "
+                    "inside the lab's noise, by campaign: not regressions, not wins. A larger "
+                    "or combined version may still be worth a run.\n")
+# Ledger rows that are not an experiment's verdict: repeat runs, and the first run of a
+# follow-up (its experiment runs again on the new master).
+NOT_A_VERDICT_STATUSES = ("confirm", "noise")
+NOT_A_VERDICT_REASONS = ("FollowUp",)
+
+
+def no_effect_reason(row: dict) -> str | None:
+    """Why an experiment belongs in no-measurable-effect.md, or None."""
+    if row.get("reason") != "WithinNoise":
+        return None
+    return (f"no measurable effect: val_bpb {_fmt(row.get('val_bpb'))}, "
+            f"{_fmt(row.get('delta'), signed=True)} against the master, inside the lab's noise")
+
+
 def do_not_repeat_reason(row: dict) -> str | None:
     """Why an experiment belongs in do-not-repeat.md, or None."""
+    if row.get("reason") == "WithinNoise":
+        return None  # inside the noise: its own list (no_effect_reason)
     if row.get("status") == "duplicate":
         return f"duplicate of {row.get('duplicate_of') or 'an earlier candidate'}"
     try:
@@ -138,9 +163,10 @@ def _entry(row: dict, spec: dict | None, surface: str, why: str) -> str:
             f"— {why}.{change} [note](experiments/{name}.md)\n")
 
 
-def add_do_not_repeat(path: Path, campaign: str, name: str, entry: str) -> bool:
+def add_do_not_repeat(path: Path, campaign: str, name: str, entry: str,
+                      header: str = DNR_HEADER) -> bool:
     """Insert `entry` at the end of the campaign's section (made if missing). False: present."""
-    text = path.read_text(encoding="utf-8") if path.exists() else DNR_HEADER
+    text = path.read_text(encoding="utf-8") if path.exists() else header
     if re.search(rf"^- `{re.escape(name)}`", text, re.M):
         return False
     heading = f"## {campaign}"
@@ -166,7 +192,8 @@ def remember(lab_root: Path, surface: str, row: dict, spec: dict | None,
              status: dict | None) -> list[Path]:
     """Write the note (if missing) and the do-not-repeat entry (if due) of one ledger row."""
     name = row.get("experiment_id", "")
-    if not name or name == "baseline":
+    if not name or name in ("baseline", "noise") or row.get("status") in NOT_A_VERDICT_STATUSES \
+            or row.get("reason") in NOT_A_VERDICT_REASONS:
         return []
     research = LabPaths.of(lab_root).research
     written = []
@@ -183,6 +210,12 @@ def remember(lab_root: Path, surface: str, row: dict, spec: dict | None,
             if add_do_not_repeat(dnr, row.get("campaign") or NO_CAMPAIGN, name,
                                  _entry(row, spec, surface, why)):
                 written.append(dnr)
+        why = no_effect_reason(row)
+        if why:
+            nme = research / "no-measurable-effect.md"
+            if add_do_not_repeat(nme, row.get("campaign") or NO_CAMPAIGN, name,
+                                 _entry(row, spec, surface, why), NO_EFFECT_HEADER):
+                written.append(nme)
     return written
 
 
