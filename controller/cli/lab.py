@@ -27,7 +27,27 @@ def init_lab(target: Path, profile: str = "default", data: str = "hub", name: st
 
 
 def cmd_init(a) -> int:
-    lab = init_lab(Path(a.dir), profile=a.profile, data=a.data, name=a.name, budget=a.budget)
+    if a.keep_metric and not a.seed:
+        raise CliError("--keep-metric needs --from SEED_DIR (it reads the seed's master record)")
+    if a.seed:
+        from controller.lab.seed import import_seed
+
+        root, found = import_seed(Path(a.dir), Path(a.seed), profile=a.profile, data=a.data,
+                                  name=a.name, budget=a.budget, keep_metric=a.keep_metric)
+        lab = LocalLab(root)
+        print(f"imported the seed lab {found.source}: train.py is the master, "
+              f"{len(found.rows)} ledger rows kept (reason Imported), {len(found.prose)} "
+              "research files copied")
+        if found.repeated_runs:
+            print(f"  {found.repeated_runs} rows repeated a run id and were left out")
+        if found.dropped_columns:
+            print(f"  columns not kept: {' '.join(found.dropped_columns)}")
+        print("  the master's val_bpb: " + (f"{found.metric} (from the seed's record)"
+                                           if found.metric is not None else
+                                           "measured again by the first `autolab run`"))
+    else:
+        lab = init_lab(Path(a.dir), profile=a.profile, data=a.data, name=a.name,
+                       budget=a.budget)
     m = lab.repo.master()
     print(f"lab {lab.name} initialised in {lab.root}")
     print(f"master {m.hash[:12]} (commit {m.commit[:10]}); profile {a.profile}, data {a.data}")

@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", default="hub", help="synthetic | hub | dir:PATH")
     sp.add_argument("--name", default="default", help="the Lab's name")
     sp.add_argument("--budget", type=int, help="training seconds per run (default: profile's)")
+    sp.add_argument("--from", dest="seed", metavar="SEED_DIR",
+                    help="adopt a lab in the seed's layout: its train.py is the master, its "
+                         "research/results.tsv rows are kept (marked Imported)")
+    sp.add_argument("--keep-metric", action="store_true",
+                    help="with --from: take the master's val_bpb from SEED_DIR/research/live/"
+                         "master.json instead of measuring it again")
     sp = add("apply", lab.cmd_apply, "create or update experiments from spec files")
     sp.add_argument("-f", "--filename", action="append", required=True,
                     help="FILE, DIR or - (stdin); repeatable")

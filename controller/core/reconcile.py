@@ -173,7 +173,9 @@ def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta:
     `current` is the master as just read under the store's lock or version (its "hash",
     "experiment" and "val_bpb"); `parent` the master the candidate was built on. A master is
     only ever replaced by a program that contains it: a candidate built on an older master is
-    refused (MasterMoved), however good. `previous_val_bpb` is what the master measured before
+    refused (MasterMoved), however good; one built on the current master was judged against
+    it and is swapped in. Without a parent (a status from before parents were kept) the
+    value is compared again. `previous_val_bpb` is what the master measured before
     `experiment` was promoted, in case it already was (a retried promotion settles as done).
     """
     if current.get("experiment") == experiment:
@@ -182,6 +184,8 @@ def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta:
         return PromotionResult(False, current.get("val_bpb"), master_moved(
             val_bpb, parent, str(current.get("hash", "")), current.get("experiment")),
             Reason.MASTER_MOVED)
+    if parent and current.get("hash") == parent:
+        return None  # judged against this very master (its reference value): it stands
     if not beats(val_bpb, current.get("val_bpb"), min_delta):
         return PromotionResult(False, current.get("val_bpb"),
                                f"val_bpb {val_bpb:.6f} did not beat the master "
