@@ -68,11 +68,11 @@ from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, E
                                        master_run_row, noise_run_name, reconcile,
                                        reconcile_baseline, run_name)
 from controller.core.slots import SlotBook
-from controller.core.status import ExperimentStatus
+from controller.core.status import PENDING, ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
 from controller.lab.clock import utcnow
 from controller.lab.ledger import Ledger
-from controller.lab.memory import remember_quietly
+from controller.lab.memory import near_duplicates, remember_quietly
 from controller.lab.paths import LabPaths
 from controller.lab.repo import LabRepo, atomic_write, recorded_duplicate
 from controller.lab.tracking import track_quietly
@@ -191,6 +191,7 @@ class Engine:
     book: SlotBook = field(init=False)
     lock: threading.RLock = field(init=False)  # the lab repo and the master: one at a time
     baseline_failures: dict[str, int] = field(init=False)
+    _changes: dict[str, dict[str, str]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
@@ -198,6 +199,7 @@ class Engine:
         self.book = SlotBook(self.slot_ids())
         self.lock = threading.RLock()
         self.baseline_failures = {}
+        self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
 
     # -- configuration ---------------------------------------------------------------------------
     def set_lab(self, lab: LabSpec) -> None:
@@ -312,6 +314,7 @@ class Engine:
             run = self.backend(view.job.backend).observe(view.job.name)
         candidate: Candidate | None = None
         duplicate = None
+        near: tuple[str, ...] = ()
         promotion: PromotionResult | None = None
         slot: str | None = None
         decision: Decision | None = None
@@ -323,7 +326,8 @@ class Engine:
                       run=run, promotion=promotion,
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
-                      worktree=self._leftovers(name, st), **self._noise_world())
+                      worktree=self._leftovers(name, st), near_duplicates=near,
+                      **self._noise_world())
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -349,6 +353,9 @@ class Engine:
                         duplicate = self.duplicate_of(name, candidate)
                     if not candidate.refusal and spec_doc is not None:
                         self._keep_checked_spec(obs.key, spec_doc)
+                        if st.get("phase") == PENDING and spec is not None and not duplicate:
+                            near = tuple(near_duplicates(self.repo, self.ledger.rows(),
+                                                         spec.diff, name, self._changes))
                 elif intent.kind == "acquire-slot":
                     slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now,
                                            confirm=a.get("confirm", False)) \

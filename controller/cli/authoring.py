@@ -48,6 +48,7 @@ from controller.core.reconcile import World, reconcile, run_name
 from controller.core.spec import (API_VERSION, ExperimentSpec, SpecError, is_valid_name,
                                   validate_document)
 from controller.lab.clock import utcnow
+from controller.lab.memory import near_duplicates
 from controller.lab.repo import GitError, atomic_write
 from controller.local import LocalLab, load_yaml_file
 
@@ -209,6 +210,7 @@ class Validator:
         self.lab = lab
         self.seen: dict[str, str] = {}
         self._n = 0
+        self._changes: dict[str, dict[str, str]] = {}
         lab.engine.observe_all([(n, lab.read_record(n).get("status") or {}, 0)
                                 for n in lab.names()])
 
@@ -300,6 +302,10 @@ class Validator:
             f.notes.append(f"already applied: phase {(record.get('status') or {}).get('phase')}")
         if ok and self.lab.repo.master().val_bpb is None:
             f.notes.append("the master has no measured val_bpb yet; its baseline runs first")
+        if ok and spec is not None and st["phase"] != "Duplicate":
+            for near in near_duplicates(self.lab.repo, self.lab.ledger.rows(), spec.diff, name,
+                                        self._changes):
+                f.notes.append(f"near-duplicate: {near}")
         return f
 
 

@@ -176,3 +176,65 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
         raise DiffRefused("DiffEmpty", "diff has a header but no hunks; nothing would change")
     canonical = f"--- a/{surface}\n+++ b/{surface}\n" + "\n".join(hunks) + "\n"
     return SurfaceDiff(canonical, tuple(added), tuple(removed))
+
+
+# --- what a change does to the constants ---------------------------------------------------------
+
+_ASSIGN = re.compile(r"^\s*([A-Z][A-Z0-9_]*)\s*=\s*([^#]+?)\s*(#.*)?$")
+
+
+def _number(expr: str) -> float | None:
+    """The value of a constant expression made of numbers and + - * / ** only; else None."""
+    import ast
+
+    try:
+        node = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(n: ast.AST) -> float:
+        if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) \
+                and not isinstance(n.value, bool):
+            return float(n.value)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+            v = value(n.operand)
+            return -v if isinstance(n.op, ast.USub) else v
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.Div,
+                                                          ast.Pow)):
+            a, b = value(n.left), value(n.right)
+            if isinstance(n.op, ast.Pow) and abs(b) > 64:
+                raise ValueError("too large")
+            return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b,
+                    ast.Div: a / b if b else float("nan"), ast.Pow: a ** b}[type(n.op)]
+        raise ValueError("not a number")
+
+    try:
+        return value(node)
+    except (ValueError, OverflowError, ZeroDivisionError):
+        return None
+
+
+def constant_changes(diff: SurfaceDiff) -> dict[str, str]:
+    """The UPPER_CASE constants a diff reassigns, and which way: up, down or changed.
+
+    `LR = 0.02` -> `LR = 0.04` is {"LR": "up"}; a value that is not a plain number (a tuple,
+    a name) is "changed". Lines the diff only adds or only removes are not counted.
+    """
+    def assigned(lines: tuple[str, ...]) -> dict[str, str]:
+        out = {}
+        for ln in lines:
+            m = _ASSIGN.match(ln)
+            if m:
+                out[m.group(1)] = m.group(2)
+        return out
+
+    old, new = assigned(diff.removed), assigned(diff.added)
+    changes = {}
+    for name in old.keys() & new.keys():
+        a, b = _number(old[name]), _number(new[name])
+        if a is not None and b is not None and a == a and b == b:
+            if a != b:
+                changes[name] = "up" if b > a else "down"
+        elif old[name].strip() != new[name].strip():
+            changes[name] = "changed"
+    return changes

@@ -119,6 +119,7 @@ class World:
     noise: float | None = None  # the lab's measured sigma for its profile and budget
     noise_df: int = 0           # its degrees of freedom (repeat runs - 1)
     reference: float | None = None  # the master's val_bpb averaged over its repeat runs, if any
+    near_duplicates: tuple[str, ...] = ()  # judged experiments that made the same move
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -297,6 +298,12 @@ def _reconcile_pending(s: _Step) -> Decision:
         msg = (f"The diff was written against {c.rebased_from[:12]} and rebased cleanly onto "
                f"master {c.parent_hash[:12]}; the candidate compiles and is new.")
     s.condition(Condition.CHECKED, True, Reason.CHECKS_PASSED, msg)
+    if w.near_duplicates:
+        near = ("A near-duplicate (it runs anyway): " + "; ".join(w.near_duplicates) +
+                ". A different amount, or a reason it differs now, is worth saying in the "
+                "hypothesis.")
+        s.condition(Condition.NEAR_DUPLICATE, True, Reason.NEAR_DUPLICATE, near)
+        s.events.append(Event("Warning", Reason.NEAR_DUPLICATE, near))
     s.phase(QUEUED, Reason.CHECKS_PASSED, "Waiting for a free slot.")
     st["queuedAt"] = w.now
     return _reconcile_active(s)

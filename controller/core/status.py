@@ -60,6 +60,7 @@ class Reason:
     CONFIRMED = "Confirmed"       # the confirm runs' test says it is better
     WITHIN_NOISE = "WithinNoise"  # its difference from the master is inside the noise
     NOT_CONFIRMED = "NotConfirmed"  # a confirm run failed: no verdict, no promotion
+    NEAR_DUPLICATE = "NearDuplicate"  # moves a constant the way a rejected experiment did
     PROMOTED = PROMOTED
     REJECTED = REJECTED
     DELETED = "Deleted"
@@ -74,6 +75,7 @@ class Condition:
     PROMOTED = "Promoted"
     SPEC_CHANGE_IGNORED = "SpecChangeIgnored"
     CONFIRMING = "Confirming"
+    NEAR_DUPLICATE = "NearDuplicate"
 
 
 # Reason codes of the run harness (bench/run.py) that a Failed phase carries as its reason,

@@ -34,7 +34,7 @@ from typing import Callable
 
 from filelock import FileLock
 
-from controller.core.diffs import DiffRefused, parse_surface_diff
+from controller.core.diffs import DiffRefused, constant_changes, parse_surface_diff
 from controller.lab.repo import atomic_write
 from controller.lab.paths import LabPaths
 
@@ -122,6 +122,56 @@ NO_EFFECT_HEADER = ("# No measurable effect\n\nChanges whose difference from the
 # follow-up (its experiment runs again on the new master).
 NOT_A_VERDICT_STATUSES = ("confirm", "noise")
 NOT_A_VERDICT_REASONS = ("FollowUp",)
+
+
+# Verdicts whose change a new spec should not simply repeat in the same direction.
+SETTLED_REASONS = {"Rejected": "rejected", "WithinNoise": "no measurable effect"}
+
+
+def change_of(repo, name: str, cache: dict | None = None) -> dict[str, str]:
+    """The constants experiment `name` changed, read from its kept branch ({} if gone)."""
+    if cache is not None and name in cache:
+        return cache[name]
+    branch = f"autolab/exp/{name}"
+    shown = repo.git("diff", f"{branch}~1", branch, "--", repo.lab.surface, check=False)
+    out: dict[str, str] = {}
+    if shown.returncode == 0 and shown.stdout.strip():
+        try:
+            out = constant_changes(parse_surface_diff(shown.stdout, repo.lab.surface))
+        except DiffRefused:
+            out = {}
+    if cache is not None:
+        cache[name] = out
+    return out
+
+
+def near_duplicates(repo, rows: list[dict], spec_diff: str, name: str,
+                    cache: dict | None = None) -> list[str]:
+    """Experiments already judged (rejected, or no measurable effect) that changed one of the
+    same constants in the same direction as `spec_diff` does: a near-duplicate, worth a warning
+    (it may still be worth running: a different amount, or a different master)."""
+    try:
+        mine = constant_changes(parse_surface_diff(spec_diff, repo.lab.surface))
+    except DiffRefused:
+        return []
+    if not mine:
+        return []
+    out = []
+    seen: set[str] = set()
+    for row in rows:
+        other = row.get("experiment_id", "")
+        verdict = SETTLED_REASONS.get(row.get("reason", ""))
+        if not other or other == name or other in seen or row.get("outcome") != "Rejected" \
+                or verdict is None:
+            continue
+        seen.add(other)
+        same = sorted(c for c, d in change_of(repo, other, cache).items()
+                      if mine.get(c) == d)
+        if same:
+            what = ", ".join(f"{c} {mine[c]}" for c in same)
+            out.append(f"{other} ({verdict}, val_bpb {_fmt(row.get('val_bpb'))}) also moved "
+                       f"{what}")
+    return out
 
 
 def no_effect_reason(row: dict) -> str | None:
