@@ -274,8 +274,8 @@ def test_a_queued_experiment_is_rebased_onto_the_current_master_before_it_starts
     assert d.status["phase"] == "Duplicate" and "submit" not in d.kinds()
 
 
-def test_a_win_inside_the_margin_is_confirmed_by_fresh_runs_of_both_programs():
-    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
+def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
+    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=2)
     w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
               status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
               run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}}))
@@ -364,7 +364,7 @@ def test_the_confirm_test_pools_the_labs_noise_and_is_never_too_lenient():
 
 
 def test_a_confirmed_win_on_a_master_that_moved_gets_a_follow_up():
-    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=1)
+    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=1)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
                 metrics={"val_bpb": 0.98},
                 confirm={"runs": 1, "candidate": [0.97], "master": []},
@@ -391,3 +391,28 @@ def test_confirm_runs_stop_when_the_master_moves_between_them():
                         slot="0"))
     assert "submit" not in d.kinds(), "no confirm run is spent on a pair that cannot promote"
     assert (d.status["reason"], d.status["attempt"]) == ("FollowUp", 2)
+
+
+def test_with_confirm_runs_even_a_large_single_run_win_is_confirmed_first():
+    """One run that clears the margin is still one lucky run: with confirm runs the master's
+    val_bpb is never that run's."""
+    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=2)
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW,
+                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
+                        run=RunObservation("exp-e-1", "succeeded",
+                                           result={"metrics": {"val_bpb": 0.5}})))
+    assert "promote" not in d.kinds() and d.status["phase"] == "Confirming"
+
+
+def test_a_confirmed_difference_below_a_numeric_min_delta_is_not_promoted():
+    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+                confirm={"runs": 2, "candidate": [0.97, 0.97], "master": [1.0]},
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=2))
+    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.001,
+                        noise_df=10, status=status,
+                        run=RunObservation("exp-e-1-m2", "succeeded",
+                                           result={"metrics": {"val_bpb": 1.0}})))
+    assert "promote" not in d.kinds()
+    assert (d.status["outcome"], d.status["reason"]) == ("Rejected", "Rejected")
+    assert "too small to promote" in d.status["message"]

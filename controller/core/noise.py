@@ -12,8 +12,9 @@ promotes noise. This module holds the numbers of that judgement, pure:
   itself estimated from a few runs, so the margin is wide (3.5 of those):
   noise alone clears it in about one comparison in 4,000 when sigma is right,
   and in about one in 50 when sigma came out 40 % low.
-- `confirm(candidate, master, noise)`: the test a win inside the margin must
-  pass when the lab asks for confirm runs (`promotion.confirmRuns: N`): N fresh
+- `confirm(candidate, master, noise)`: the test every win must pass when the lab
+  asks for confirm runs (`promotion.confirmRuns: N`; a win beyond the margin
+  too, so that no master's val_bpb is one lucky run): N fresh
   runs of the candidate and N of the master, seeds the harness sets, and a
   one-sided two-sample Student's t-test at level ALPHA that the candidate's
   mean is lower. The variance is pooled from the fresh runs and, when the lab

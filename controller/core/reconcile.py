@@ -492,8 +492,13 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     need = _margin(w)
     need = 0.0 if need is None else need
     moved = _moved(w, st)
-    won = base is not None and (base - val) > need
-    close = base is not None and 0 < (base - val) <= need and w.lab.confirm_runs > 0
+    if w.lab.confirm_runs > 0:
+        # Every win is confirmed, a large one too: one run that clears the margin is still
+        # one run, picked for its luck, and the master's val_bpb would inherit that luck
+        # (the next candidates would be judged against a number too good to beat).
+        won, close = False, base is not None and (base - val) > 0
+    else:
+        won, close = base is not None and (base - val) > need, False
     if w.promotion is None and w.master.experiment != w.name and (won or close):
         if moved:
             return _follow_up(s, val, base)
@@ -629,7 +634,9 @@ def _decide_confirmed(s: _Step) -> Decision:
     if not st.get("metrics"):  # an attempt that went straight to confirm runs: their mean
         st["metrics"] = {w.lab.metric: val}
         st["masterValBpb"] = round(mean(c["master"]), 6)
-    if w.promotion is None and v["promote"] and w.master.experiment != w.name:
+    wins = v["promote"] and (w.lab.min_delta == "auto"
+                             or v["difference"] > float(w.lab.min_delta))
+    if w.promotion is None and wins and w.master.experiment != w.name:
         if _moved(w, st):
             return _follow_up(s, val, mean(c["master"]))
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
@@ -640,7 +647,7 @@ def _decide_confirmed(s: _Step) -> Decision:
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
-    s.condition(Condition.CONFIRMING, False, Reason.CONFIRMED if v["promote"]
+    s.condition(Condition.CONFIRMING, False, Reason.CONFIRMED if wins
                 else Reason.WITHIN_NOISE, v["explain"])
     if promoted:
         msg = (f"{v['explain']}. The candidate is the new master at its confirm runs' mean "
@@ -650,6 +657,10 @@ def _decide_confirmed(s: _Step) -> Decision:
         st["verdict"] = Reason.CONFIRMED
         return _settle_terminal(s)
     reason, msg = Reason.WITHIN_NOISE, f"{v['explain']}: no measurable effect."
+    if v["promote"] and not wins:
+        reason = Reason.DID_NOT_BEAT_MASTER
+        msg = (f"{v['explain']}, but by less than promotion.minDelta {w.lab.min_delta}: "
+               "a real difference, too small to promote.")
     if w.promotion is not None and w.promotion.message:
         reason, msg = w.promotion.reason or Reason.DID_NOT_BEAT_MASTER, w.promotion.message
     s.condition(Condition.PROMOTED, False, reason, msg)
