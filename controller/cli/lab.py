@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.core.noise import MARGIN_Z, margin
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
@@ -219,7 +220,7 @@ def cmd_noise(a) -> int:
     print(f"sigma {doc['sigma']:.6f} val_bpb over {doc['runs']} runs (mean {doc['mean']:.6f}; "
           f"{values})")
     print(f"written to {lab.paths.noise_file}; with promotion.minDelta auto the margin is "
-          f"{2.5 * doc['sigma'] * 2 ** 0.5:.6f} (2.5 sigma of a two-run difference)")
+          f"{margin('auto', doc['sigma']):.6f} ({MARGIN_Z:g} sigma of a two-run difference)")
     return 0
 
 
@@ -338,6 +339,10 @@ def cmd_master(a) -> int:
     print(f"experiment: {d.get('experiment') or '(seed)'}")
     print(f"commit:     {d['commit']}")
     print(f"promotions: {len(d.get('history', [])) - 1}")
+    noise = lab.engine.noise_record()
+    print("noise:      " + (f"sigma {noise['sigma']} over {noise['runs']} repeat runs "
+                            f"(budget {noise.get('budgetSeconds') or 'default'} s)"
+                            if noise else "not measured (`autolab noise --runs 5`)"))
     return 0
 
 def cmd_crds(a) -> int:

@@ -1,0 +1,78 @@
+"""The lab's noise: measured by repeat runs of the master, kept per profile and budget, and
+used by `minDelta: auto` (the margin) and the confirm test."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from controller.cli.lab import init_lab
+from controller.core.reconcile import RunObservation
+from controller.local import LAB_FILE, LocalLab
+from labkit import spec_from_edit
+
+# What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
+# candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
+BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0}
+
+
+class Seeded:
+    name = "local"
+
+    def __init__(self):
+        self.requests = {}
+
+    def submit(self, req):
+        self.requests.setdefault(req.run, req)
+        return self.observe(req.run)
+
+    def observe(self, run):
+        req = self.requests.get(run)
+        if req is None:
+            return RunObservation(run, "missing")
+        val = BY_SEED[req.seed]
+        if "MATRIX_LR = 0.03" in req.candidate_source:
+            val -= 0.02
+        return RunObservation(run, "succeeded", result={"metrics": {"val_bpb": val}})
+
+    def cancel(self, run):
+        return RunObservation(run, "cancelled")
+
+    def cleanup(self, run):
+        pass  # nothing outside this process
+
+    def leftovers(self, run):
+        return False
+
+
+def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    root = tmp_path / "lab"
+    init_lab(root, profile="tiny", data="synthetic", budget=5)
+    doc = yaml.safe_load((root / LAB_FILE).read_text())
+    doc["spec"]["promotion"] = {"minDelta": "auto", "noiseRuns": 3}
+    (root / LAB_FILE).write_text(yaml.safe_dump(doc))
+    lab = LocalLab(root)
+    backend = Seeded()
+    lab.backends["local"] = backend
+    lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
+    summary = lab.step()
+    for _ in range(30):
+        if summary.done:
+            break
+        summary = lab.step()
+    # the baseline (seed 0), then three repeat runs with harness seeds 1..3, then the experiment
+    assert [(r, q.seed) for r, q in backend.requests.items()] == [
+        ("baseline-default-" + lab.repo.master().hash[:10] + "-1", 0),
+        *[(f"noise-default-{lab.repo.master().hash[:10]}-s{s}", s) for s in (1, 2, 3)],
+        ("exp-lr-03-1", 0)]
+    noise = json.loads((root / "research" / "live" / "noise.json").read_text())
+    assert noise["values"] == [0.99, 1.01, 1.0] and noise["sigma"] == 0.01
+    assert (noise["profile"], noise["budgetSeconds"]) == ("tiny", 5)
+    st = {n: s for n, s, _ in summary.rows}["lr-03"]
+    # 0.02 better than the master's mean (1.0), inside 3.5 * 0.01 * sqrt(2) = 0.0495
+    assert (st["phase"], st["outcome"]) == ("Succeeded", "Rejected")
+    assert "by more than 0.0494975" in st["message"] and "inside the lab's noise" in st["message"]
+    statuses = [r["status"] for r in lab.ledger.rows()]
+    assert statuses == ["baseline", "noise", "noise", "noise", "succeeded"]
