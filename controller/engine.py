@@ -122,9 +122,10 @@ class MasterOfRecord(Protocol):
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float) -> PromotionResult:
+                margin: float, against: float | None = None) -> PromotionResult:
         """Compare-and-swap: `name` replaces the master if the master is still `parent` and
-        `val_bpb` beats it by more than `margin` (-inf: confirm runs already decided)."""
+        `val_bpb` beats `against` (the value it was judged against; else the master's) by
+        more than `margin` (-inf: confirm runs already decided)."""
 
     def set_metric(self, master: Master, val_bpb: float) -> None: ...
 
@@ -373,7 +374,7 @@ class Engine:
                         promotion = self.master.promote(
                             name, st["commit"], self.repo.candidate_source(name), a["val_bpb"],
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
-                            utcnow(), a.get("margin", 0.0))
+                            utcnow(), a.get("margin", 0.0), a.get("against"))
                     if promotion.promoted:
                         self.events.lab(Event("Normal", "Promoted",
                                               f"{name} is the new master: val_bpb "

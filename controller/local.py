@@ -156,8 +156,8 @@ class LocalMaster:
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float) -> PromotionResult:
-        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin)
+                margin: float, against: float | None = None) -> PromotionResult:
+        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin, against)
 
     def set_metric(self, master: Master, val_bpb: float) -> None:
         self.lab.repo.set_master_metric(val_bpb)

@@ -165,8 +165,9 @@ class ClusterMaster:
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float) -> PromotionResult:
-        result = self.rt.store.promote(name, source, commit, val_bpb, parent, margin, now)
+                margin: float, against: float | None = None) -> PromotionResult:
+        result = self.rt.store.promote(name, source, commit, val_bpb, parent, margin, now,
+                                       against)
         self.rt.sync()
         return result
 

@@ -7,35 +7,7 @@ import yaml
 
 from controller.cli.lab import init_lab
 from controller.cli.main import main
-from controller.core.reconcile import RunObservation
-from labkit import spec_from_edit
-
-
-class Worse:
-    """Every run finishes at once, 0.05 worse than the master."""
-
-    name = "local"
-
-    def __init__(self):
-        self.runs: set[str] = set()
-
-    def submit(self, req):
-        self.runs.add(req.run)
-        return self.observe(req.run)
-
-    def observe(self, run):
-        if run not in self.runs:
-            return RunObservation(run, "missing")
-        return RunObservation(run, "succeeded", result={"metrics": {"val_bpb": 1.05}})
-
-    def cancel(self, run):
-        return RunObservation(run, "cancelled")
-
-    def cleanup(self, run):
-        pass  # nothing outside this process
-
-    def leftovers(self, run):
-        return False
+from labkit import InstantBackend, spec_from_edit
 
 
 def run_until_done(lab):
@@ -52,7 +24,7 @@ def test_the_same_move_as_a_rejected_experiment_is_flagged_and_still_runs(tmp_pa
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     lab.repo.set_master_metric(1.0)
-    lab.backends["local"] = Worse()
+    lab.backends["local"] = InstantBackend(lambda req: 1.05)  # every run: worse
     lab.apply_file(spec_from_edit(lab, "lr-up", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
     assert run_until_done(lab)["lr-up"]["outcome"] == "Rejected"
 

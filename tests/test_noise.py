@@ -8,42 +8,16 @@ import json
 import yaml
 
 from controller.cli.lab import init_lab
-from controller.core.reconcile import RunObservation
 from controller.local import LAB_FILE, LocalLab
-from labkit import spec_from_edit
+from labkit import InstantBackend, spec_from_edit
 
 # What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
 # candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
 BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0}
 
 
-class Seeded:
-    name = "local"
-
-    def __init__(self):
-        self.requests = {}
-
-    def submit(self, req):
-        self.requests.setdefault(req.run, req)
-        return self.observe(req.run)
-
-    def observe(self, run):
-        req = self.requests.get(run)
-        if req is None:
-            return RunObservation(run, "missing")
-        val = BY_SEED[req.seed]
-        if "MATRIX_LR = 0.03" in req.candidate_source:
-            val -= 0.02
-        return RunObservation(run, "succeeded", result={"metrics": {"val_bpb": val}})
-
-    def cancel(self, run):
-        return RunObservation(run, "cancelled")
-
-    def cleanup(self, run):
-        pass  # nothing outside this process
-
-    def leftovers(self, run):
-        return False
+def measured(req) -> float:
+    return BY_SEED[req.seed] - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
 
 
 def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch):
@@ -54,7 +28,7 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
     doc["spec"]["promotion"] = {"minDelta": "auto", "noiseRuns": 3}
     (root / LAB_FILE).write_text(yaml.safe_dump(doc))
     lab = LocalLab(root)
-    backend = Seeded()
+    backend = InstantBackend(measured)
     lab.backends["local"] = backend
     lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
     summary = lab.step()

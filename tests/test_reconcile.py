@@ -346,10 +346,14 @@ def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master
     assert refused is not None and not refused.promoted and refused.reason == "MasterMoved"
     assert promotion_refused(current, "e", 0.90, 0.0, None, parent="9" * 40) is None
     # built on this very master and judged against its reference value (the mean of its
-    # repeat runs): the swap stands even where one stored run of the master was luckier
-    assert promotion_refused(current, "e", 0.96, 0.0, None, parent="9" * 40) is None
-    assert promotion_refused(current, "e", 0.96, 0.0, None, parent="").reason == \
+    # repeat runs): the swap stands even where one stored run of the master was luckier...
+    assert promotion_refused(current, "e", 0.96, 0.0, None, parent="9" * 40,
+                             against=0.97) is None
+    # ...but not against the stored value alone, nor without a parent
+    assert promotion_refused(current, "e", 0.96, 0.0, None, parent="9" * 40).reason == \
         "DidNotBeatMaster"
+    assert promotion_refused(current, "e", 0.96, 0.0, None, parent="",
+                             against=0.97).reason == "DidNotBeatMaster"
 
 
 def test_the_confirm_test_pools_the_labs_noise_and_is_never_too_lenient():

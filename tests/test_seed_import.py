@@ -85,10 +85,19 @@ def test_a_seed_lab_imports_and_two_fixes_both_land(tmp_path, monkeypatch, capsy
     assert outcomes == {"fix-lr": ("Succeeded", "Promoted"), "fix-cap": ("Succeeded", "Promoted")}
     master = lab.repo.master_source()
     assert LR_FIX[1] in master and CAP_FIX[1] in master, "both fixes are in the master"
+    second = next(st for n, st, _ in summary.rows if n != history_first(lab))
+    checked = next(c for c in second["conditions"] if c["type"] == "Checked")
+    assert checked["reason"] == "Rebased" and second["rebasedFrom"], \
+        "the second was rebased onto the first's master before it started"
     history = lab.repo.master_doc()["history"]
     assert [h["experiment"] for h in history][0] is None and len(history) == 3
     for prev, cur in zip(history, history[1:]):
         assert cur["parent"] == prev["hash"], "each master is built on the one before"
+
+
+def history_first(lab) -> str:
+    """The experiment promoted first."""
+    return lab.repo.master_doc()["history"][1]["experiment"]
 
 
 def test_keep_metric_takes_the_seeds_record(tmp_path):

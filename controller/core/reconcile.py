@@ -168,15 +168,17 @@ def beats(val: float, master_val: float | None, min_delta: float) -> bool:
 
 
 def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta: float,
-                      previous_val_bpb: float | None, parent: str) -> PromotionResult | None:
+                      previous_val_bpb: float | None, parent: str,
+                      against: float | None = None) -> PromotionResult | None:
     """The compare of a compare-and-swap promotion, for every master store: None means "swap".
 
     `current` is the master as just read under the store's lock or version (its "hash",
     "experiment" and "val_bpb"); `parent` the master the candidate was built on. A master is
     only ever replaced by a program that contains it: a candidate built on an older master is
-    refused (MasterMoved), however good; one built on the current master was judged against
-    it and is swapped in. Without a parent (a status from before parents were kept) the
-    value is compared again. `previous_val_bpb` is what the master measured before
+    refused (MasterMoved), however good. One built on the current master must beat `against`,
+    the value it was judged against (the mean of that master's repeat runs where there are
+    some), by more than `min_delta`; without `against` or a parent, the master's stored
+    val_bpb. `previous_val_bpb` is what the master measured before
     `experiment` was promoted, in case it already was (a retried promotion settles as done).
     """
     if current.get("experiment") == experiment:
@@ -185,9 +187,8 @@ def promotion_refused(current: dict, experiment: str, val_bpb: float, min_delta:
         return PromotionResult(False, current.get("val_bpb"), master_moved(
             val_bpb, parent, str(current.get("hash", "")), current.get("experiment")),
             Reason.MASTER_MOVED)
-    if parent and current.get("hash") == parent:
-        return None  # judged against this very master (its reference value): it stands
-    if not beats(val_bpb, current.get("val_bpb"), min_delta):
+    ref = against if against is not None and parent else current.get("val_bpb")
+    if not beats(val_bpb, ref, min_delta):
         return PromotionResult(False, current.get("val_bpb"),
                                f"val_bpb {val_bpb:.6f} did not beat the master "
                                f"{str(current.get('hash', ''))[:12]} "
@@ -281,18 +282,9 @@ def _reconcile_pending(s: _Step) -> Decision:
         s.phase(c.refusal, c.reason, c.message, warning=True)
         s.condition(Condition.CHECKED, False, c.reason, c.message)
         return _settle_terminal(s)
-    st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
-              parentHash=c.parent_hash, commit=c.commit)
-    if c.rebased_from:
-        st["rebasedFrom"] = c.rebased_from
-    if w.duplicate_of:
-        st["duplicateOf"] = w.duplicate_of
-        msg = (f"The candidate is the same program as {w.duplicate_of} (hash "
-               f"{c.candidate_hash[:12]}); no GPU is spent on a repeat. Change the idea, "
-               "not the formatting.")
-        s.phase(DUPLICATE, Reason.DUPLICATE_CANDIDATE, msg, warning=True)
-        s.condition(Condition.CHECKED, False, Reason.DUPLICATE_CANDIDATE, msg)
-        return _settle_terminal(s)
+    duplicate = _take_candidate(s, c, c.rebased_from, "")
+    if duplicate is not None:
+        return duplicate
     msg = "The diff applies, the candidate compiles and is new."
     if c.rebased_from:
         msg = (f"The diff was written against {c.rebased_from[:12]} and rebased cleanly onto "
@@ -333,6 +325,26 @@ def _margin(w: World) -> float | None:
 def _moved(w: World, st: dict) -> bool:
     parent = st.get("parentHash") or ""
     return bool(parent) and parent != w.master.hash and w.master.experiment != w.name
+
+
+def _take_candidate(s: _Step, c: Candidate, rebased_from: str | None,
+                    context: str) -> Decision | None:
+    """Put a checked candidate on the status; a terminal Duplicate decision if it repeats."""
+    w, st = s.w, s.st
+    st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
+              parentHash=c.parent_hash, commit=c.commit)
+    if rebased_from:
+        st["rebasedFrom"] = rebased_from
+    if not w.duplicate_of:
+        return None
+    st["duplicateOf"] = w.duplicate_of
+    what = "the candidate is the same program as" if context else \
+        "The candidate is the same program as"
+    msg = (f"{context}{what} {w.duplicate_of} (hash {c.candidate_hash[:12]}); no GPU is spent "
+           "on a repeat. Change the idea, not the formatting.")
+    s.phase(DUPLICATE, Reason.DUPLICATE_CANDIDATE, msg, warning=True)
+    s.condition(Condition.CHECKED, False, Reason.DUPLICATE_CANDIDATE, msg)
+    return _settle_terminal(s)
 
 
 def _reconcile_active(s: _Step) -> Decision:
@@ -436,17 +448,10 @@ def _rebase(s: _Step) -> Decision | None:
         s.condition(Condition.CHECKED, False, c.reason, c.message)
         return _settle_terminal(s)
     old = st.get("parentHash") or ""
-    st.update(candidateHash=c.candidate_hash, semanticHash=c.semantic_hash,
-              parentHash=c.parent_hash, commit=c.commit)
-    st["rebasedFrom"] = c.rebased_from or old
-    if w.duplicate_of:
-        st["duplicateOf"] = w.duplicate_of
-        msg = (f"Rebased onto master {w.master.hash[:12]} before its start, the candidate is "
-               f"the same program as {w.duplicate_of} (hash {c.candidate_hash[:12]}); no GPU "
-               "is spent on a repeat.")
-        s.phase(DUPLICATE, Reason.DUPLICATE_CANDIDATE, msg, warning=True)
-        s.condition(Condition.CHECKED, False, Reason.DUPLICATE_CANDIDATE, msg)
-        return _settle_terminal(s)
+    duplicate = _take_candidate(s, c, c.rebased_from or old,
+                                f"Rebased onto master {w.master.hash[:12]} before its start, ")
+    if duplicate is not None:
+        return duplicate
     msg = (f"The master moved from {old[:12]} to {w.master.hash[:12]} while it waited: the "
            "candidate was rebased onto it cleanly before its start.")
     s.condition(Condition.CHECKED, True, Reason.REBASED, msg)
@@ -506,7 +511,7 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
             s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                         "Comparing against the master under its lock.")
             s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val,
-                                                "margin": need}))
+                                                "margin": need, "against": base}))
             return s.decision()
         return _start_confirm(s, val, base)
     promoted = (w.promotion.promoted if w.promotion is not None

@@ -247,14 +247,16 @@ class MasterStore:
             raise
 
     def promote(self, experiment: str, source: str, commit: str, val_bpb: float,
-                parent: str, min_delta: float, now: str) -> PromotionResult:
+                parent: str, min_delta: float, now: str,
+                against: float | None = None) -> PromotionResult:
         """Make `source` the master if `val_bpb` still beats it; safe against concurrent winners."""
         for _ in range(CAS_ATTEMPTS):
             rec = self.require()
             d = rec.doc
             previous = next((p.get("previous", {}).get("val_bpb") for p in rec.promotions
                              if p.get("experiment") == experiment), None)
-            settled = promotion_refused(d, experiment, val_bpb, min_delta, previous, parent)
+            settled = promotion_refused(d, experiment, val_bpb, min_delta, previous, parent,
+                                        against)
             if settled is not None:
                 return settled
             entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),

@@ -151,13 +151,14 @@ class LabRepo:
             atomic_write(self.master_file, json.dumps(d, indent=2) + "\n")
 
     def promote(self, name: str, commit: str, val_bpb: float, hashes: tuple[str, str],
-                parent: str, now: str, margin: float | None = None) -> PromotionResult:
+                parent: str, now: str, margin: float | None = None,
+                against: float | None = None) -> PromotionResult:
         """Compare-and-swap: under the lock, re-read the master, compare again, then move it."""
         with self._master_lock:
             d = self.master_doc()
             previous = d["history"][-2]["val_bpb"] if len(d["history"]) > 1 else None
             need = margin if margin is not None else _fixed(self.lab.min_delta)
-            settled = promotion_refused(d, name, val_bpb, need, previous, parent)
+            settled = promotion_refused(d, name, val_bpb, need, previous, parent, against)
             if settled is not None:
                 return settled
             self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
