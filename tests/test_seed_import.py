@@ -73,16 +73,20 @@ def test_a_seed_lab_imports_and_two_fixes_both_land(tmp_path, monkeypatch, capsy
     assert (lab_dir / "research" / "experiments" / "lr-up.md").exists()
     # Two experiments against the imported master, each fixing a different handicap, applied
     # together on one slot: the second starts after the first moved the master, so it is
-    # rebased first, and the master ends with both fixes.
-    for name, (old, new) in (("fix-lr", LR_FIX), ("fix-cap", CAP_FIX)):
-        lab.apply_file(spec_from_edit(lab, name, old, new), "test")
+    # rebased first, and the master ends with both fixes. The lm_head fix goes first (priority):
+    # under the 0.5 softcap it is worth about 0.2 bpb (2.62 -> 2.41), and the softcap fix on
+    # top of it about 1.9 (-> 0.53); the other way round the softcap fix alone is worth only
+    # 0.02, inside a loaded machine's noise.
+    for name, (old, new), prio in (("fix-lr", LR_FIX, 1), ("fix-cap", CAP_FIX, 0)):
+        lab.apply_file(spec_from_edit(lab, name, old, new, priority=prio), "test")
     deadline = time.time() + 600
     summary = lab.step()
     while not summary.done and time.time() < deadline:
         time.sleep(0.3)
         summary = lab.step()
     outcomes = {n: (st.get("phase"), st.get("outcome")) for n, st, _ in summary.rows}
-    assert outcomes == {"fix-lr": ("Succeeded", "Promoted"), "fix-cap": ("Succeeded", "Promoted")}
+    assert outcomes == {"fix-lr": ("Succeeded", "Promoted"), "fix-cap": ("Succeeded", "Promoted")}, \
+        [(r["run_id"], r["val_bpb"], r["reason"]) for r in lab.ledger.rows()]
     master = lab.repo.master_source()
     assert LR_FIX[1] in master and CAP_FIX[1] in master, "both fixes are in the master"
     second = next(st for n, st, _ in summary.rows if n != history_first(lab))
