@@ -49,6 +49,18 @@ The policies, decided here once:
 - Cleanup. After the ledger row: the worktree goes (the branch of a run
   stays: it is the experiment DAG) and the backend's objects go
   (`Backend.cleanup`); the status goes only when both are done.
+- Cumulative masters (the rules are the core's; the engine carries them out).
+  A queued candidate whose master moved is materialised again onto the
+  current master right before its submit (the slot it was granted is kept
+  meanwhile). A run that ends mid-life (a follow-up's first run, a confirm
+  run) gets its own ledger row at once and its backend objects go
+  (`cleanup-run`). A confirm run of the master runs the parent's source.
+- Noise. The lab's noise is `research/live/noise.json`, kept per profile
+  and budget and measured by `measure_noise` (repeat runs of the master,
+  harness seeds 1..N, `noise-<lab>-<hash>-s<seed>`, each with a ledger row
+  of status `noise`); `baseline()` runs it when `minDelta: auto` has none.
+  The core reads sigma, its degrees of freedom and the master's mean over
+  those runs (`World.noise`, `noise_df`, `reference`).
 """
 
 from __future__ import annotations
