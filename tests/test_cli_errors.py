@@ -172,6 +172,13 @@ def test_hugging_face_out_of_reach_is_one_line(lab, env):
     assert "cannot reach" in line and "HF_ENDPOINT" in line
 
 
+@pytest.mark.parametrize("command", [("hf", "jobs"), ("hf", "prepare")])
+def test_no_token_at_all_is_one_line_saying_how_to_log_in(lab, env, command):
+    env.update(HF_ENDPOINT=closed_port())  # nothing is asked of it: the token is missing first
+    line = one_error_line(autolab(*command, "--lab", str(lab), env=env))
+    assert "no Hugging Face token" in line and "hf auth login" in line and "HF_TOKEN" in line
+
+
 def test_a_rejected_token_is_one_line_without_the_token(lab, env, tmp_path):
     srv = FakeJobsServer("hf_theRightTokenIsNotThis000001", work_dir=tmp_path).start()
     try:

@@ -237,6 +237,9 @@ def known_failure(e: BaseException, lab: str | None = None) -> str | None:
     if isinstance(e, LockTimeout):
         return _says(f"another autolab process holds the lock {e.lock_file}",
                      "wait for it to finish (or stop it), then run again", always=True)
+    if _is(e, "huggingface_hub", "LocalTokenNotFoundError"):
+        return ("no Hugging Face token on this machine; log in with `hf auth login`, or set "
+                "HF_TOKEN (a token with the Jobs permission), then run again")
     if _is(e, "huggingface_hub", "HfHubHTTPError"):
         return _hf_http(e)
     if _is(e, "kubernetes", "ApiException"):
