@@ -116,6 +116,21 @@ def test_preflight_says_what_is_missing_and_fails(server, lab_dir, capsys, monke
     assert rc == 1 and "no token: run `hf auth login` or set HF_TOKEN" in out
 
 
+def test_preflight_tells_a_rejected_token_from_a_hub_out_of_reach(server, lab_dir, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_notTheTokenTheServerKnows01")
+    rc, out = run(capsys, "hf", "preflight", "--lab", str(lab_dir))
+    assert rc == 1 and "REJECTED (401)" in out and "hf auth login" in out
+    import socket
+    with socket.socket() as s:  # a port nobody listens on: no network to the Hub
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    rc, out = run(capsys, "hf", "preflight", "--lab", str(lab_dir))
+    assert rc == 1 and "REJECTED" not in out
+    assert "NOT CHECKED" in out and "cannot reach the Hub" in out
+
+
 def test_prepare_starts_one_cpu_job_on_the_bucket_and_not_a_second(server, lab_dir, capsys):
     server.add_bucket("alice/autolab-cache", lab_dir.parent / "bucket")
     server.script_next(Script(hold=True))

@@ -143,8 +143,16 @@ def cmd_preflight(a) -> int:
     try:
         me = backend.whoami()
     except (HfHubHTTPError, httpx2.HTTPError, OSError) as e:
-        out(f"token:      from {_token_source()}, REJECTED\n")
-        problems.append(f"whoami failed: {str(e).strip().splitlines()[0]}")
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, HfHubHTTPError) and status in (401, 403):
+            out(f"token:      from {_token_source()}, REJECTED ({status})\n")
+            problems.append(f"whoami refused the token: {first}; log in again with "
+                            "`hf auth login` or set HF_TOKEN")
+        else:  # the Hub did not answer (no network, a wrong HF_ENDPOINT, a server error)
+            out(f"token:      from {_token_source()}, NOT CHECKED (the Hub did not answer)\n")
+            problems.append(f"cannot reach the Hub to check the token ({first}); check the "
+                            "network and HF_ENDPOINT, then run again")
         return _verdict(problems, warnings)
     orgs = [o.get("name") for o in me.get("orgs") or [] if o.get("name")]
     out(f"token:      from {_token_source()}; user {me.get('name')}"
