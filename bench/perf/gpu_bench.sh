@@ -11,13 +11,7 @@
 # 4. prints one summary line per run: val_bpb, tokens/s, MFU, start-up overhead.
 set -euo pipefail
 BUDGET=${1:-300}; RUNS=${2:-2}; MKCORPUS=${3:-../shared/tools/mkcorpus.py}
-PY=${PYTHON:-python3}
-SITE=$($PY -c "import site; print(site.getsitepackages()[0])")
-DATA=${AUTOLAB_GPU_DATA:-/tmp/autolab-corpus}
-export AUTOLAB_CACHE=${AUTOLAB_CACHE:-/tmp/autolab-cache}
-OUTDIR=${OUT:-/tmp/autolab-gpu-out}
-mkdir -p "$OUTDIR"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. "$(dirname "$0")/gpu_env.sh"
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 if [ ! -f "$DATA/shard_06542.parquet" ]; then
   t0=$(date +%s)

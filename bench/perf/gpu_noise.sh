@@ -10,13 +10,7 @@
 # the start-up time, not the training.
 set -euo pipefail
 BUDGET=${1:-60}; RUNS=${2:-4}; MKCORPUS=$3
-PY=${PYTHON:-python3}
-SITE=$($PY -c "import site; print(site.getsitepackages()[0])")
-DATA=${AUTOLAB_GPU_DATA:-/tmp/autolab-corpus}
-export AUTOLAB_CACHE=${AUTOLAB_CACHE:-/tmp/autolab-cache}
-OUTDIR=${OUT:-/tmp/autolab-gpu-out}
-mkdir -p "$OUTDIR"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. "$(dirname "$0")/gpu_env.sh"
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 t0=$(date +%s)
 [ -f "$DATA/shard_06542.parquet" ] || $PY "$MKCORPUS" "$SITE" "$DATA" --max-mb 1500 >/dev/null

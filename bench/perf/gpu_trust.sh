@@ -9,13 +9,7 @@
 set -euo pipefail
 BUDGET=${1:-60}; OLD=$2; MKCORPUS=$3
 [ -n "${4:-}" ] && export PATH="$4:$PATH"
-PY=${PYTHON:-python3}
-SITE=$($PY -c "import site; print(site.getsitepackages()[0])")
-DATA=${AUTOLAB_GPU_DATA:-/tmp/autolab-corpus}
-export AUTOLAB_CACHE=${AUTOLAB_CACHE:-/tmp/autolab-cache}
-OUTDIR=${OUT:-/tmp/autolab-gpu-out}
-mkdir -p "$OUTDIR"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. "$(dirname "$0")/gpu_env.sh"
 [ -f "$DATA/shard_06542.parquet" ] || $PY "$MKCORPUS" "$SITE" "$DATA" --max-mb 1500 >/dev/null
 $PY bench/prepare.py --source "dir:$DATA" | tail -1
 $PY -I bench/sandbox.py

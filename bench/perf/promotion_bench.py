@@ -107,10 +107,10 @@ class TruthBackend:
         return RunObservation(run, "cancelled")
 
     def cleanup(self, run: str) -> None:
-        pass  # nothing outside this process to remove
+        self.runs.pop(run, None)  # the engine never looks at a run again once it is cleaned up
 
     def leftovers(self, run: str) -> bool:
-        return False
+        return run in self.runs
 
     def sandbox_problem(self) -> str | None:
         return None

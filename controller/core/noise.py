@@ -75,14 +75,13 @@ class Verdict:
     promote: bool
     difference: float      # master mean - candidate mean (positive: the candidate is better)
     standard_error: float
-    critical: float        # how many standard errors the difference must reach
-    test: str              # "t": Student's, on the pooled spread
+    critical: float        # how many standard errors the difference must reach (Student's t)
 
     def explain(self) -> str:
         word = "passes" if self.promote else "fails"
         return (f"confirm runs: the candidate's mean is {self.difference:+.6f} better than the "
                 f"master's, {self.difference / self.standard_error if self.standard_error else 0:.2f}"
-                f" standard errors ({self.standard_error:.6f}; a one-sided {self.test}-test at "
+                f" standard errors ({self.standard_error:.6f}; a one-sided t-test at "
                 f"{ALPHA:g} needs {self.critical:.2f}): it {word}")
 
 
@@ -109,4 +108,4 @@ def confirm(candidate: list[float], master: list[float], sigma: float | None = N
     se = pooled * math.sqrt(1 / n + 1 / m)
     crit = t_crit(df)
     promote = math.isfinite(se) and d > 0 and d > crit * se
-    return Verdict(promote, d, se, crit, "t")
+    return Verdict(promote, d, se, crit)

@@ -626,7 +626,7 @@ def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:
     v = confirm(c["candidate"], c["master"], w.noise, w.noise_df)
     c["verdict"] = {"promote": v.promote, "difference": round(v.difference, 6),
                     "standardError": round(v.standard_error, 6), "critical": v.critical,
-                    "test": v.test, "explain": v.explain()}
+                    "explain": v.explain()}
     return _decide_confirmed(s)
 
 
