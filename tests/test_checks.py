@@ -180,3 +180,48 @@ def test_promotion_is_compare_and_swap(repo):
     again = repo.promote("a", c.commit, 0.90, (c.candidate_hash, c.semantic_hash), seed.hash, "t")
     assert again.promoted, "promoting the master again is a no-op that reports success"
     assert len(repo.master_doc()["history"]) == 2
+
+
+def test_candidates_checked_in_several_threads_at_once_all_hash(tmp_path):
+    """The operator's handler threads and the local loop check candidates at the same time.
+
+    On CPython 3.11 two threads inside `ast.parse` at once could fail with "SystemError: AST
+    constructor recursion depth mismatch" (gh-106905), which failed a whole reconcile pass.
+    A garbage-collector callback that sleeps hands the GIL to another thread in the middle of
+    the AST's construction, which is where the shared counter went wrong; every thread must
+    still get the hash.
+    """
+    import gc
+    import threading
+    import time
+
+    from controller.core.hashing import semantic_hash
+
+    source = (Path(__file__).resolve().parents[1] / "bench" / "train.py").read_text()
+    expected = semantic_hash(source)
+    results: list[object] = []
+
+    def switch_threads(phase, info):
+        if phase == "start":
+            time.sleep(0.0001)
+
+    def check_many():
+        for _ in range(15):
+            try:
+                results.append(semantic_hash(source))
+            except SystemError as e:  # what the race raised
+                results.append(e)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)
+    gc.callbacks.append(switch_threads)
+    try:
+        threads = [threading.Thread(target=check_many) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.callbacks.remove(switch_threads)
+        gc.set_threshold(*threshold)
+    assert results == [expected] * 45

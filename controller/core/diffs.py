@@ -19,6 +19,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from controller.core.hashing import parse_python
 from controller.core.spec import unsafe_character
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -188,7 +189,7 @@ def _number(expr: str) -> float | None:
     import ast
 
     try:
-        node = ast.parse(expr, mode="eval").body
+        node = parse_python(expr, mode="eval").body  # type: ignore[attr-defined]
     except SyntaxError:
         return None
 

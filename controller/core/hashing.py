@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+import threading
 from typing import NamedTuple
 
 # PEP 263, as CPython's tokenizer reads it (a comment line in the first two lines).
@@ -75,8 +76,21 @@ def candidate_hash(source: str) -> str:
     return hashlib.sha1(normalise_source(source).encode("utf-8")).hexdigest()
 
 
+# CPython 3.11 keeps the AST constructor's recursion counter per interpreter, not per
+# thread (gh-106905): two threads in `ast.parse` at once can fail with "SystemError: AST
+# constructor recursion depth mismatch". The operator's handler threads and the local
+# loop parse candidates concurrently, so every parse in the controller goes through here.
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str, filename: str = "<unknown>", mode: str = "exec") -> ast.AST:
+    """`ast.parse`, one thread at a time (see `_AST_LOCK`); raises SyntaxError like it."""
+    with _AST_LOCK:
+        return ast.parse(source, filename, mode)
+
+
 def semantic_hash(source: str) -> str:
     """Hash of the AST; raises SyntaxError for source that does not parse."""
-    tree = ast.parse(source)
+    tree = parse_python(source)
     dumped = ast.dump(tree, annotate_fields=True, include_attributes=False)
     return hashlib.sha1(dumped.encode("utf-8")).hexdigest()

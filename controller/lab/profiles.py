@@ -23,6 +23,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from controller.core.hashing import parse_python
+
 REPO_BENCH = Path(__file__).resolve().parents[2] / "bench"
 HARNESS_FILE = "prepare.py"
 DEFAULT = "default"
@@ -140,7 +142,7 @@ def parse_profiles(text: str, path: str | Path = "<prepare.py>") -> dict[str, Pr
     """The `PROFILES = {name: Profile(keyword=constant, ...)}` of a prepare.py's source."""
     path = Path(path)
     try:
-        tree = ast.parse(text, filename=str(path))
+        tree = parse_python(text, filename=str(path))
     except SyntaxError as e:
         raise ProfileError(f"{path}:{e.lineno}: not Python ({e.msg}); cannot read its profiles") \
             from None

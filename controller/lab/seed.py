@@ -40,7 +40,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller.core.hashing import check_candidate_source
+from controller.core.hashing import check_candidate_source, parse_python
 from controller.lab.init import LabInitError, bench_source_dir, make_lab
 from controller.lab.ledger import COLUMNS, SEED_COLUMNS, Ledger
 from controller.lab.paths import LabPaths
@@ -62,7 +62,7 @@ class SeedImport:
 
 
 def _prepare_names() -> set[str]:
-    tree = ast.parse((bench_source_dir() / "prepare.py").read_text(encoding="utf-8"))
+    tree = parse_python((bench_source_dir() / "prepare.py").read_text(encoding="utf-8"))
     names: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -86,7 +86,7 @@ def read_train(path: Path) -> str:
         raise LabInitError(f"{path}: {refused.message}")
     source = raw.decode("utf-8")
     try:
-        tree = ast.parse(source, str(path))
+        tree = parse_python(source, str(path))
     except SyntaxError as e:
         raise LabInitError(f"{path}: line {e.lineno}: {e.msg}; fix train.py, then import "
                            "again") from None
