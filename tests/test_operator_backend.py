@@ -139,7 +139,8 @@ async def test_kueue_queue_makes_a_suspended_job_that_waits_to_be_admitted(env):
     job = env.em.get(JOBS, NS, "exp-e-1")
     assert job["spec"]["suspend"] is True
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
-    assert obs.state == "queued" and "admitted" in obs.message
+    assert obs.state == "queued" and obs.reason == "WaitingForAdmission"
+    assert "gpu-queue" in obs.message and "admit" in obs.message
 
 
 async def test_cpu_run_requests_no_gpu_and_without_a_cache_pvc_uses_an_empty_dir(env):

@@ -89,6 +89,7 @@ from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPER
                                 LABEL_RUN, OURS, ClusterError, Kube)
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
+from controller.core.status import Reason
 from controller.lab import profiles
 
 CONTAINER = "run"  # the evaluator: its termination message is the result
@@ -361,9 +362,14 @@ class KubernetesBackend:
                                           f"{why}) without a result from the harness{init}; see "
                                           f"`kubectl logs job/{run} --all-containers`")
         if job.get("spec", {}).get("suspend"):
+            queue = (job["metadata"].get("labels") or {}).get(QUEUE_LABEL) \
+                or self.lab.kubernetes.get("queue")
+            where = f"Kueue to admit it from queue {queue}" if queue else \
+                "someone to resume it (spec.suspend is true)"
             return RunObservation(run, "queued", job_id=job_id,
-                                  message=f"Job {run} waits to be admitted "
-                                          f"(queue {self.lab.kubernetes.get('queue', '-')}).")
+                                  reason=Reason.WAITING_FOR_ADMISSION,
+                                  message=f"Job {run} is suspended: it waits for {where}; "
+                                          "no GPU is held meanwhile.")
         live = [p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Running")]
         if live and live[-1]["status"].get("phase") == "Running":
             return RunObservation(run, "running", job_id=job_id, worker=_worker(live[-1]))

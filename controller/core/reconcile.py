@@ -88,6 +88,7 @@ class RunObservation:
     message: str = ""
     job_id: str = ""
     worker: str = ""
+    reason: str = ""  # what a queued run waits for (a Reason: WaitingForAdmission); "": RunQueued
 
 
 @dataclass(frozen=True)
@@ -418,8 +419,11 @@ def _reconcile_active(s: _Step) -> Decision:
     if run.job_id:
         job["id"] = run.job_id
     if run.state == "queued":
-        if st["phase"] not in (QUEUED, CONFIRMING):
-            s.phase(QUEUED, Reason.RUN_QUEUED, run.message or "The run waits for its GPU.")
+        # Submitted and waiting: the status says for what (a Pod to be scheduled, a queue's
+        # admission), not the "free slot" it waited for before it was submitted.
+        if st["phase"] != CONFIRMING:
+            s.phase(QUEUED, run.reason or Reason.RUN_QUEUED,
+                    run.message or "The run waits for its GPU.")
         return s.decision()
     if run.state == "running":
         if st["phase"] not in (RUNNING, CONFIRMING):

@@ -42,6 +42,7 @@ class Reason:
     WAITING_FOR_SLOT = "WaitingForSlot"
     SUBMITTED = "Submitted"
     RUN_QUEUED = "RunQueued"
+    WAITING_FOR_ADMISSION = "WaitingForAdmission"  # a suspended Job waits for its queue (Kueue)
     RUN_STARTED = "RunStarted"
     RUN_FINISHED = "RunFinished"
     RUN_CANCELLED = "RunCancelled"
