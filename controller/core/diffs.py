@@ -10,7 +10,9 @@ and other control characters, lone surrogates, a CR outside a CRLF line end,
 bidirectional controls: see `controller.core.spec`). What passes is rewritten
 into one canonical diff against the surface's lab-relative path, with LF line
 ends, which git then applies in a worktree (see `controller.lab.repo`): the
-hunks themselves are git's to judge.
+hunks themselves are git's to judge. A hunk with no context lines (`@@ -60 +60 @@`,
+as `diff -U0` writes and people write by hand) is well-formed; git applies it only
+when told so (`--unidiff-zero`), so the checked diff says whether it has one.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class SurfaceDiff:
     text: str
     added: tuple[str, ...]
     removed: tuple[str, ...]
+    zero_context: bool = False  # some hunk has no context lines: git needs --unidiff-zero
 
 
 def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDiff:
@@ -85,6 +88,7 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
     hunks: list[str] = []
     added: list[str] = []
     removed: list[str] = []
+    zero_context = False
     i, n = 0, len(lines)
     while i < n:
         line = lines[i]
@@ -128,7 +132,7 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
             new_len = int(m.group(4)) if m.group(4) is not None else 1
             body = [line]
             i += 1
-            seen_old = seen_new = 0
+            seen_old = seen_new = context = 0
             while i < n and (seen_old < old_len or seen_new < new_len):
                 h = lines[i]
                 tag = h[:1]
@@ -137,6 +141,7 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
                 elif tag == " " or h == "":
                     seen_old += 1
                     seen_new += 1
+                    context += 1
                     body.append(h if h else " ")
                 elif tag == "-":
                     seen_old += 1
@@ -157,6 +162,7 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
             while i < n and lines[i].startswith("\\"):
                 body.append(lines[i])
                 i += 1
+            zero_context = zero_context or context == 0
             hunks.append("\n".join(body))
             continue
         if not files and not hunks:
@@ -176,7 +182,7 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
     if not hunks:
         raise DiffRefused("DiffEmpty", "diff has a header but no hunks; nothing would change")
     canonical = f"--- a/{surface}\n+++ b/{surface}\n" + "\n".join(hunks) + "\n"
-    return SurfaceDiff(canonical, tuple(added), tuple(removed))
+    return SurfaceDiff(canonical, tuple(added), tuple(removed), zero_context)
 
 
 # --- what a change does to the constants ---------------------------------------------------------

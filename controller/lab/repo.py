@@ -196,15 +196,15 @@ class LabRepo:
         if added.returncode != 0:  # a stale registration left by a crash
             self.git("worktree", "prune", check=False)
             self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"])
-        applied = self.git("apply", "--whitespace=nowarn", "-", cwd=wt, input=diff.text,
+        # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
+        zero = ["--unidiff-zero"] if diff.zero_context else []
+        applied = self.git("apply", "--whitespace=nowarn", *zero, "-", cwd=wt, input=diff.text,
                            check=False)
         if applied.returncode != 0:
             self._remove_worktree(name)
             why = applied.stderr.strip().replace("error: ", "").replace("\n", "; ")
             return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
-                             message=f"diff does not apply to its parent {parent['hash'][:12]}: "
-                                     f"{why}; regenerate it against that master "
-                                     "(`autolab worktree` gives a fresh copy)")
+                             message=_does_not_apply(parent, master, surface, why))
         trailers = (f"\n\nAutolab-Experiment: {name}\nAutolab-Campaign: {spec.campaign or '-'}"
                     f"\nAutolab-Parent: {parent['hash']}")
         self.git("commit", "--quiet", "--allow-empty", "-a", "-m",
@@ -283,6 +283,18 @@ def _conflict_hunk(path: Path, context: int = 2) -> str:
     # git labels the sides with commit ids that differ on every attempt; name them instead.
     label = {start: "<<<<<<< current master", end: ">>>>>>> this experiment"}
     return "\n".join(f"  {i + 1:4d} | {label.get(i, lines[i])}" for i in range(lo, hi))
+
+
+def _does_not_apply(parent: dict, master: Master, surface: str, why: str) -> str:
+    """Why a diff did not apply to its parent, blaming a moved master only when it moved."""
+    head = f"diff does not apply to its parent {parent['hash'][:12]}"
+    fresh = "`autolab worktree NAME` gives a fresh copy of the current master to edit and diff"
+    if parent["commit"] == master.commit or parent["hash"] == master.hash:
+        return (f"{head} (the current master): {why}; the lines it removes and its context "
+                f"lines must be in {surface} as they are there: {fresh}")
+    return (f"{head}: {why}; that master is older than the current one "
+            f"{master.hash[:12]} ({master.experiment or 'seed'}): regenerate the diff against "
+            f"the current master ({fresh})")
 
 
 def _fixed(min_delta: float | str) -> float:
