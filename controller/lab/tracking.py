@@ -1,12 +1,32 @@
 """Trackio: one run per experiment, with its config and its step curve, kept in the lab.
 
 Every experiment that ran becomes one Trackio run in the lab's project
-(`autolab-<lab name>`): its config holds the hypothesis, campaign, parent,
-candidate hash, backend and outcome; its metrics are the step curve the
-harness wrote (loss and tokens per second per step, when the result names a
-`curve` file) and, at the last step, the summary (val_bpb, training seconds,
-MFU and the rest; `run_ok` is 1 for a run that measured its candidate, 0 for
-one that failed). The baseline runs of each master are tracked the same way.
+(`autolab-<lab name>`), named after the experiment and what became of it
+(`lr-004 · promoted`, `lr-005 · rejected`, `crash · failed`): Trackio's Runs
+page shows a run's name and step counts and nothing of its config, so the name
+is where promoted and rejected can be told apart. The baseline runs of each
+master are tracked the same way, under their run id.
+
+The dashboard is laid out for this lab, from what Trackio's front end does
+(`trackio/frontend/src/lib/dataProcessing.js`, `pages/Metrics.svelte`): it
+charts every numeric metric, orders the charts by `TRACKIO_PLOT_ORDER` (then
+alphabetically), and draws a metric that no run logged twice as bars from 0,
+anything else as lines on a scale fitted to the data. So:
+
+- the charts are few and in the order a reader asks: val_bpb, delta (against
+  the parent), then the step curve the harness wrote (loss, tokens per second,
+  elapsed seconds), then MFU and peak VRAM where a GPU measured them (they are
+  0 on CPU and are then not logged);
+- val_bpb is measured once, at the end, but is logged at the curve's first and
+  last step: Trackio then draws each run as a level line on a scale fitted to
+  the runs, where 0.60 and 0.65 are far apart (as bars from 0 they look alike);
+- delta stays one point per run: bars from 0 are right for a difference;
+- the figures that describe a run rather than compare runs (parameters,
+  depth, steps, tokens, seconds) go to its config, with the hypothesis,
+  campaign, parent, candidate hash, backend and outcome; the run's page shows
+  it, and the sidebar can group runs by any of it (by `outcome`, say);
+- the last record also carries the outcome as text, which Trackio keeps but
+  does not chart, so a run that measured nothing still exists.
 
 Trackio keeps its data where `TRACKIO_DIR` points, read once when trackio is
 imported. So all Trackio work happens in a child process
@@ -40,6 +60,14 @@ from controller.lab.paths import LabPaths
 
 SYNC_TIMEOUT_SECONDS = 300
 TRACKED_STATUSES = ("succeeded", "failed", "error", "cancelled", "baseline")
+# The charts, first to last (TRACKIO_PLOT_ORDER; trackio puts any other metric after them).
+CHART_ORDER = ("val_bpb", "delta", "loss", "tokens_per_sec", "elapsed_seconds", "mfu_percent",
+               "peak_vram_mb")
+# Summary figures charted once per run; the GPU's only where a GPU measured them (not 0).
+CHARTED, GPU_ONLY = ("delta", "mfu_percent", "peak_vram_mb"), ("mfu_percent", "peak_vram_mb")
+# Summary figures that describe the run (the same for most runs): its config, not a chart.
+FACTS = ("val_bpb", "num_params_M", "depth", "num_steps", "total_tokens_M", "training_seconds",
+         "total_seconds")
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
 # The curve's "time" is a wall-clock timestamp (and a name trackio reserves): it is logged as
@@ -62,7 +90,8 @@ def child_env(lab_root: Path) -> dict[str, str]:
               "TRACKIO_BUCKET_ID"):
         env.pop(k, None)
     env.update(TRACKIO_DIR=str(trackio_dir(lab_root)), HF_HUB_DISABLE_TELEMETRY="1",
-               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1",
+               TRACKIO_PLOT_ORDER=",".join(CHART_ORDER))
     return env
 
 
@@ -73,10 +102,37 @@ def tracked(row: dict) -> bool:
     return row.get("status") == "baseline" or bool(row.get("backend"))
 
 
+def outcome_of(row: dict) -> str:
+    """What became of a tracked run, in one word: promoted, rejected, follow-up, failed, ..."""
+    if row.get("status") == "baseline":
+        return "baseline"
+    if row.get("promoted") == "1":
+        return "promoted"
+    if row.get("outcome"):
+        return row["outcome"].lower()
+    if row.get("status") == "succeeded" and row.get("reason") == "FollowUp":
+        return "follow-up"  # it won on an older master; a rebased run decides
+    return row.get("status") or "unknown"
+
+
 def run_label(row: dict) -> str:
+    """The Trackio run name of a ledger row: `<experiment> · <outcome>`; a baseline's run id."""
     if row.get("experiment_id") in ("", "baseline"):
         return row["run_id"]
-    return row["experiment_id"]
+    return f"{row['experiment_id']} · {outcome_of(row)}"
+
+
+def run_labels(rows: list[dict]) -> list[str]:
+    """The run name of each row; a name already taken (a second follow-up) gets its run id."""
+    seen: set[str] = set()
+    out = []
+    for row in rows:
+        label = run_label(row)
+        if label in seen:
+            label = f"{label} ({row.get('run_id', '')})"
+        seen.add(label)
+        out.append(label)
+    return out
 
 
 # --- the controller's side -------------------------------------------------------------------
@@ -206,6 +262,7 @@ def curve_points(lab_root: Path, run_id: str, result: dict) -> list[tuple[int, d
 
 
 def _summary(row: dict, result: dict) -> dict:
+    """Every summary figure the run has: the harness's result first, the ledger row second."""
     metrics = dict(result.get("metrics") or {})
     out = {}
     for k in SUMMARY_KEYS:
@@ -218,12 +275,33 @@ def _summary(row: dict, result: dict) -> dict:
     return out
 
 
-def config_of(row: dict) -> dict:
-    return {"hypothesis": row.get("hypothesis", ""), "campaign": row.get("campaign", ""),
-            "parent": row.get("parent_hash", ""), "candidate_hash": row.get("candidate_hash", ""),
-            "backend": row.get("backend") or "local", "run_id": row.get("run_id", ""),
-            "status": row.get("status", ""), "outcome": row.get("outcome", ""),
-            "promoted": row.get("promoted") == "1", "experiment": row.get("experiment_id", "")}
+def config_of(row: dict, summary: dict | None = None) -> dict:
+    """The run's config: what was tried and what became of it, and the figures that describe it."""
+    cfg = {"hypothesis": row.get("hypothesis", ""), "campaign": row.get("campaign", ""),
+           "parent": row.get("parent_hash", ""), "candidate_hash": row.get("candidate_hash", ""),
+           "backend": row.get("backend") or "local", "run_id": row.get("run_id", ""),
+           "status": row.get("status", ""), "outcome": row.get("outcome", ""),
+           "promoted": row.get("promoted") == "1", "experiment": row.get("experiment_id", "")}
+    summary = summary or {}
+    cfg.update({k: summary[k] for k in FACTS if k in summary})
+    return cfg
+
+
+def records_of(row: dict, summary: dict, curve: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """(step, metrics) to log for a run: the curve, val_bpb at its ends, the charted figures."""
+    first = curve[0][0] if curve else 0
+    last = curve[-1][0] if curve else int(summary.get("num_steps") or 0)
+    last = max(last, first + 1)  # two distinct steps: a line, never a bar from 0
+    final: dict[str, Any] = {k: summary[k] for k in CHARTED if k in summary
+                             and not (k in GPU_ONLY and summary[k] == 0)}
+    records = list(curve)
+    if "val_bpb" in summary:
+        records.insert(0, (first, {"val_bpb": summary["val_bpb"]}))
+        final["val_bpb"] = summary["val_bpb"]
+    # Text is kept but never charted; it makes a run that measured nothing exist all the same.
+    final["outcome"] = outcome_of(row)
+    records.append((last, final))
+    return records
 
 
 def _child_sync(lab_root: Path, lab_name: str) -> int:
@@ -239,21 +317,18 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
             have = {r.name for r in trackio.Api().runs(project)}
         except ValueError:  # trackio's word for "no such project yet"
             have = set()
-        for row in rows:
-            label = run_label(row)
-            if label in have:
+        for row, label in zip(rows, run_labels(rows)):
+            # A project written before runs were named with their outcome has the bare name.
+            if label in have or row.get("experiment_id") in have:
                 continue
             result = _result(lab_root, row["run_id"])
             curve = curve_points(lab_root, row["run_id"], result)
+            summary = _summary(row, result)
             trackio.init(project=project, name=label, group=row.get("campaign") or None,
-                         config=config_of(row), resume="allow", auto_log_cpu=False,
+                         config=config_of(row, summary), resume="allow", auto_log_cpu=False,
                          auto_log_gpu=False, embed=False)
-            for step, m in curve:
+            for step, m in records_of(row, summary, curve):
                 trackio.log(m, step=step)
-            # Always one final record, so a run that measured nothing still shows up.
-            summary = {**_summary(row, result),
-                       "run_ok": 1.0 if row.get("status") in ("succeeded", "baseline") else 0.0}
-            trackio.log(summary, step=(curve[-1][0] if curve else 0))
             trackio.finish()
             have.add(label)
             print(f"tracked {label} ({len(curve)} curve points)", flush=True)
