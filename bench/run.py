@@ -903,8 +903,10 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
     budget, startup, export = _allowances(budget, startup_allowance)
+    began = time.monotonic()
     data = _prepared(source, num_shards, endpoint, log)
     result["source"] = data.source
+    prepared = round(time.monotonic() - began, 2)
 
     run_dir = _run_dir(mode)
     cleanup = [run_dir]
@@ -915,6 +917,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
                            source=data.source, mode=mode, budget=budget, startup=startup, export=export,
                            log=log, result=result, hidden=hidden)
         training = _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget, result=result)
+        result["timing"]["prepare_seconds"] = prepared
         _keep_curve(_regular_file("curve.jsonl", CURVE_LIMIT_BYTES, scratch), curve_path, result)
 
         # Out of the scratch directory into one the candidate never saw; nothing of it runs now.
@@ -923,8 +926,10 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         export_dir, stats = _take_export(scratch, "", eval_dir, w.rc)
         if not keep_run_dir:
             shutil.rmtree(scratch, ignore_errors=True)
+        measuring = time.monotonic()
         evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc)
-        _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - w.started,
+        result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
+        _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
     finally:
         if keep_run_dir:
@@ -1061,6 +1066,29 @@ def _settle(result: dict[str, Any], run: Any) -> None:
         result.update(status="error", reason_code="HarnessError", reason=f"harness error: {type(e).__name__}: {e}")
 
 
+# Where a run's wall time went, in the order it is spent. "prepare" is the data check (and a
+# first run's tokenising); "start-up" runs from launching the candidate to its first training
+# batch (imports, model build, sandbox); "export" from its last batch to its exit (the compiled
+# model's export); "evaluate" the harness's own val_bpb pass on the exported model.
+TIME_PARTS = (("prepare", "prepare_seconds"), ("start-up", "startup_seconds"),
+              ("training", "training_seconds"), ("export", "export_seconds"),
+              ("evaluate", "evaluate_seconds"))
+
+
+def time_breakdown(result: dict[str, Any]) -> str:
+    """One line: each part of the run's time, the rest, and the time spent outside training."""
+    timing = result.get("timing") or {}
+    total = _number((result.get("metrics") or {}).get("total_seconds"))
+    parts = [(label, _number(timing.get(key))) for label, key in TIME_PARTS]
+    known = [(label, v) for label, v in parts if v is not None]
+    text = ", ".join(f"{label} {v:.1f}s" for label, v in known)
+    if total is not None:
+        other = total - sum(v for _, v in known)
+        training = _number(timing.get("training_seconds")) or 0.0
+        text += f", other {max(other, 0.0):.1f}s; outside training {total - training:.1f}s of {total:.1f}s"
+    return "time: " + text
+
+
 def _finish(result: dict[str, Any], result_path: Path, *, log: RunLog, key: bytes | None,
             termination_log: str | os.PathLike | None) -> dict[str, Any]:
     """Sign, write the result and the termination message, print the marker line."""
@@ -1084,6 +1112,8 @@ def _finish(result: dict[str, Any], result_path: Path, *, log: RunLog, key: byte
         except OSError as e:
             log.harness(f"could not write the termination log {termination_log}: {e}")
     log.harness(f"{result['status']}: {result['reason']}")
+    if result.get("timing"):
+        log.harness(time_breakdown(result))
     log.line(f"{RESULT_MARKER} {compact(result)}")
     log.close()
     return result
@@ -1312,7 +1342,9 @@ def evaluate_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, 
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         try:
             model_dir, stats = _take_export(export_dir, "scratch/", eval_dir, result["exit_code"])
+            measuring = time.monotonic()
             evaluation = _measure(eval_dir, model_dir, data, log=log, exit_code=result["exit_code"])
+            result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         finally:
             shutil.rmtree(eval_dir, ignore_errors=True)
         elapsed = _number(record.get("elapsed_seconds")) or 0.0

@@ -113,6 +113,14 @@ def test_synthetic_candidate_succeeds_with_the_harness_metric_below_an_untrained
     assert len(bench.run.compact(result).encode()) <= 4096
     log = (tmp_path / "run.log").read_text()
     assert "step 00001 | loss" in log and log.rstrip().splitlines()[-1].startswith("AUTOLAB_RESULT ")
+    # Where the time went, in the result and in one line of the log.
+    timing = result["timing"]
+    parts = [timing[k] for k in ("prepare_seconds", "startup_seconds", "training_seconds",
+                                 "export_seconds", "evaluate_seconds")]
+    assert all(v >= 0 for v in parts) and sum(parts) <= result["metrics"]["total_seconds"] + 0.5
+    line = next(x for x in log.splitlines() if "time: prepare" in x)
+    assert re.search(r"start-up [\d.]+s, training [\d.]+s, export [\d.]+s, evaluate [\d.]+s, "
+                     r"other [\d.]+s; outside training [\d.]+s of [\d.]+s", line), line
 
 
 def test_run_by_hand_prints_the_summary_block(bench, tmp_path):
