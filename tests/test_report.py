@@ -12,7 +12,7 @@ from controller.cli import main as cli
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
 from controller.local import LocalLab
-from controller.lab.report import build_report, plot_progress, progress
+from controller.lab.report import build_report, draw_progress, plot_progress, progress
 
 
 def row(name: str, status: str, val: float | None = None, promoted: bool = False,
@@ -52,6 +52,28 @@ def test_progress_chart_is_a_png(tmp_path):
     assert image.shape[0] > 100 and image.shape[1] > 100
     empty = plot_progress(progress([]), tmp_path / "empty.png", "nothing yet")
     assert empty.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_chart_counts_experiments_in_whole_numbers():
+    for n in (1, 2, 3, 7, 40):
+        rows = [BASELINE] + [row(f"e{i}", "succeeded", 1.0 - i / 100) for i in range(n)]
+        ax = draw_progress(progress(rows), "x").axes[0]
+        lo, hi = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert shown and all(float(t).is_integer() for t in shown), (n, shown)
+        assert lo == 0.5 and hi == n + 0.5
+
+
+def test_progress_chart_draws_the_baseline_and_each_promotion_with_its_gain():
+    rows = [BASELINE, row("a", "succeeded", 1.02), row("b", "succeeded", 0.97, promoted=True),
+            row("c", "succeeded", 0.95, promoted=True),
+            {**BASELINE, "run_id": "baseline-bbbb", "val_bpb": "0.97"}]
+    ax = draw_progress(progress(rows), "x").axes[0]
+    baseline = [ln for ln in ax.get_lines() if ln.get_label().startswith("baseline")]
+    assert len(baseline) == 1 and set(baseline[0].get_ydata()) == {1.0}, \
+        "a dashed line at the first master's val_bpb, not a later master's"
+    assert "1.0000" in baseline[0].get_label()
+    assert [t.get_text() for t in ax.texts] == ["b (-0.0300)", "c (-0.0200)"]
 
 
 @pytest.fixture()

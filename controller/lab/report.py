@@ -9,9 +9,12 @@ the same refusal again and again (an agent that keeps writing diffs that do
 not apply, or keeps proposing a duplicate).
 
 The chart, `research/live/progress.png`, is the autoresearch classic: the
-val_bpb of every finished experiment in the order they finished, kept
-(promoted) versus discarded, and the running best (the master's val_bpb as it
-moved). It is drawn with matplotlib's object API on the Agg canvas, so no
+val_bpb of every finished experiment in the order they finished (whole
+numbers on the axis: experiment 3, never 2.5), kept (promoted) versus
+discarded, the running best (the master's val_bpb as it moved) with each
+promotion's name and gain written at its step, and the baseline (the first
+master's val_bpb) as a dashed line, so what the lab has won is read off at
+a glance. It is drawn with matplotlib's object API on the Agg canvas, so no
 display and no global pyplot state are involved.
 
 Everything comes from the ledger, the statuses and master.json; the report
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -102,12 +105,16 @@ class Point:
 class Progress:
     points: list[Point]
     best: list[tuple[float, float]]  # (x, running best) steps, starting at the baseline
+    baseline: float | None = None  # the first master's val_bpb
+    gains: dict[int, float] = field(default_factory=dict)  # point index -> its promotion's gain
 
 
 def progress(rows: list[dict]) -> Progress:
     """Points (experiments with a val_bpb, in ledger order) and the running best."""
     points: list[Point] = []
     best: list[tuple[float, float]] = []
+    gains: dict[int, float] = {}
+    baseline: float | None = None
     current: float | None = None
     for row in rows:
         val = _num(row.get("val_bpb"))
@@ -115,21 +122,25 @@ def progress(rows: list[dict]) -> Progress:
             continue
         if row.get("status") == "baseline":
             if current is None:
-                current = val
+                baseline = current = val
                 best.append((0.5 + len(points), val))
             continue
         kept = row.get("promoted") == "1"
         points.append(Point(len(points) + 1, row.get("experiment_id", ""), val, kept))
         if kept and (current is None or val < current):
+            if current is not None:
+                gains[len(points)] = val - current
             current = val
         if current is not None:
             best.append((float(len(points)), current))
-    return Progress(points, best)
+    return Progress(points, best, baseline, gains)
 
 
-def plot_progress(p: Progress, path: Path, title: str) -> Path:
+def draw_progress(p: Progress, title: str):
+    """The progress chart as a matplotlib Figure (on the Agg canvas; nothing is shown)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 5), dpi=110)
     FigureCanvasAgg(fig)
@@ -141,13 +152,20 @@ def plot_progress(p: Progress, path: Path, title: str) -> Path:
     ax.scatter([q.index for q in kept], [q.val_bpb for q in kept], s=46, c="#1f9d55",
                edgecolors="black", linewidths=0.5, label=f"kept ({len(kept)})", zorder=3)
     for q in kept:
-        ax.annotate(q.name, (q.index, q.val_bpb), textcoords="offset points", xytext=(4, 6),
-                    fontsize=7)
+        gain = p.gains.get(q.index)
+        ax.annotate(q.name + (f" ({gain:+.4f})" if gain is not None else ""),
+                    (q.index, q.val_bpb), textcoords="offset points", xytext=(5, -11),
+                    fontsize=7, color="#14532d")
+    if p.baseline is not None:
+        ax.axhline(p.baseline, color="#6b7280", linestyle="--", linewidth=1.1, zorder=0,
+                   label=f"baseline, the first master ({p.baseline:.4f})")
     if p.best:
         xs = [x for x, _ in p.best] + [max(len(p.points), 1) + 0.5]
         ys = [y for _, y in p.best] + [p.best[-1][1]]
         ax.step(xs, ys, where="post", color="#1f6feb", linewidth=1.6, label="running best",
                 zorder=1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_xlim(0.5, max(len(p.points), 1) + 0.5)
     ax.set_xlabel("experiment (in the order they finished)")
     ax.set_ylabel("val_bpb (lower is better)")
     ax.set_title(title)
@@ -158,6 +176,11 @@ def plot_progress(p: Progress, path: Path, title: str) -> Path:
         ax.text(0.5, 0.5, "no finished experiment yet", ha="center", va="center",
                 transform=ax.transAxes)
     fig.tight_layout()
+    return fig
+
+
+def plot_progress(p: Progress, path: Path, title: str) -> Path:
+    fig = draw_progress(p, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
