@@ -194,8 +194,9 @@ class LocalLab:
         self.root = self.paths.root
         lab_file = self.paths.lab_file
         if not lab_file.exists():
-            raise SpecError(f"{self.root}: not a lab (no {LAB_FILE}); create one with "
-                            "`autolab init DIR` or pass --lab DIR")
+            raise SpecError(f"{self.root}: not a lab (no {LAB_FILE} here or in any parent "
+                            "directory); create one with `autolab init DIR`, or cd into a lab "
+                            "(or pass --lab DIR)")
         docs = load_yaml_file(lab_file)
         if len(docs) != 1:
             raise SpecError(f"{lab_file}: expected one Lab document, found {len(docs)}")
@@ -409,23 +410,57 @@ class LocalLab:
                            baseline_pending=self.repo.master().val_bpb is None,
                            slots=self.engine.slot_ids() or [])
 
+    def name_used(self, name: str) -> str | None:
+        """Where `name` was recorded before, if anywhere: names are permanent once the ledger
+        has a row of theirs (a finished, refused, imported or deleted experiment), as run ids
+        and experiment branches are named after them."""
+        for row in self.ledger.rows():
+            if row.get("experiment_id") == name:
+                return f"ledger run {row.get('run_id')}, {row.get('status') or 'recorded'}"
+        return None
+
     def apply_file(self, doc: dict, source: str) -> str:
-        """Write a validated spec into experiments/; returns created/configured/unchanged."""
+        """Write a validated spec into experiments/; returns created, unchanged or configured
+        (only metadata changed). A spec is immutable once applied, like the cluster's CRD rule
+        `self == oldSelf`: a changed one, or a name already recorded, raises SpecError and
+        nothing is written. A new spec is recorded at once (phase Pending), so `autolab get`
+        shows it before `autolab run` has looked."""
         validate_document(doc, source=source, kind="Experiment")
         name = doc["metadata"]["name"]
-        self.experiments_dir.mkdir(parents=True, exist_ok=True)
         target = self.experiments_dir / f"{name}.yaml"
         loaded = self.load_specs()
-        if name in loaded.specs and loaded.specs[name].path != target:
+        if name in loaded.specs:
             target = loaded.specs[name].path
-        text = yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+        record = self.read_record(name)
+        old = None
         if target.exists():
-            old = load_yaml_file(target)
-            if old and old[0] == doc:
+            docs = load_yaml_file(target)
+            old = docs[0] if docs else None
+        elif record:
+            raise SpecError(
+                f"experiment {name!r} is being deleted (phase "
+                f"{(record.get('status') or {}).get('phase', 'Pending')}); names are permanent "
+                f"once recorded: apply it under a new name")
+        if old is not None:
+            if not isinstance(old, dict) or old.get("spec") != doc.get("spec"):
+                phase = (record.get("status") or {}).get("phase", "Pending")
+                raise SpecError(
+                    f"{source}: experiment {name!r} already exists (phase {phase}) with a "
+                    f"different spec; a spec cannot change once applied (the controller runs "
+                    f"the spec it checked): create a new Experiment with a new name, e.g. "
+                    f"{_next_name(name)}, and `autolab delete {name}` if it should not finish")
+            if old == doc:
                 return "unchanged"
-            atomic_write(target, text)
+            atomic_write(target, _spec_yaml(doc))
             return "configured"
-        atomic_write(target, text)
+        used = self.name_used(name)
+        if used:
+            raise SpecError(f"{source}: experiment name {name!r} was used before ({used}); names "
+                            f"are permanent once recorded: apply it under a new name, e.g. "
+                            f"{_next_name(name)}")
+        atomic_write(target, _spec_yaml(doc))
+        with self._lock(name):
+            self.statuses.read(name)  # recorded now: Pending until the loop checks it
         return "created"
 
     def delete(self, name: str) -> Decision | None:
@@ -440,6 +475,18 @@ class LocalLab:
         if name in self.names():
             return self.reconcile_one(name, deleting=True)
         return None
+
+
+def _spec_yaml(doc: dict) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+
+
+def _next_name(name: str) -> str:
+    """A name to suggest instead of a taken one: `warmdown-03` -> `warmdown-03-2`, `x-2` -> `x-3`."""
+    head, _, tail = name.rpartition("-")
+    if head and tail.isdigit() and len(tail) < 4:
+        return f"{head}-{int(tail) + 1:0{len(tail)}d}"
+    return f"{name}-2"
 
 
 @dataclass

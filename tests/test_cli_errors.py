@@ -195,8 +195,9 @@ def test_a_rejected_token_is_one_line_without_the_token(lab, env, tmp_path):
 
 def test_spec_and_cli_errors_read_as_before(lab, env, tmp_path):
     p = autolab("get", "--lab", str(tmp_path / "nowhere"), env=env)
-    assert one_error_line(p) == (f"error: {tmp_path / 'nowhere'}: not a lab (no lab.yaml); "
-                                 "create one with `autolab init DIR` or pass --lab DIR")
+    assert one_error_line(p) == (f"error: {tmp_path / 'nowhere'}: not a lab (no lab.yaml here "
+                                 "or in any parent directory); create one with `autolab init "
+                                 "DIR`, or cd into a lab (or pass --lab DIR)")
     p = autolab("describe", "nosuch", "--lab", str(lab), env=env)
     assert p.returncode == 1 and p.stderr == "error: experiment 'nosuch' not found\n"
     # A YAML error's own text has line breaks: they become spaces.

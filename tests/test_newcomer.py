@@ -125,3 +125,141 @@ def test_zero_context_hunk_may_not_touch_another_file(lab, env):
     f = write_spec(lab / "other.yaml", "other-file", master_hash(lab)[:12], diff)
     p = autolab("validate", str(f), "--lab", str(lab), env=env)
     assert p.returncode == 1 and "DiffTouchesOtherFile" in p.stdout
+
+
+# -- 2. a spec is immutable, a name is permanent ----------------------------------------------
+
+def warmdown_spec(lab: Path, name: str, value: str = "0.3", where: Path | None = None) -> Path:
+    return write_spec((where or lab) / f"{name}.yaml", name, master_hash(lab)[:12],
+                      zero_context_diff(WARMDOWN, f"WARMDOWN_RATIO = {value}"))
+
+
+def test_reapplying_an_unchanged_spec_says_unchanged(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    assert "warmdown-03 created" in autolab("apply", "-f", str(f), "--lab", str(lab),
+                                            env=env).stdout
+    p = autolab("apply", "-f", str(f), "--lab", str(lab), env=env)
+    assert p.returncode == 0 and "warmdown-03 unchanged" in p.stdout, p.stderr
+
+
+def test_a_changed_spec_under_an_existing_name_is_refused_and_nothing_changes(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    applied = (lab / "experiments" / "warmdown-03.yaml").read_text()
+    record = (lab / ".autolab" / "status" / "warmdown-03.json").read_text()
+    warmdown_spec(lab, "warmdown-03", value="0.2")
+    p = autolab("apply", "-f", str(f), "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "configured" not in p.stdout
+    assert "a spec cannot change once applied" in p.stderr
+    assert "create a new Experiment with a new name, e.g. warmdown-04" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert (lab / "experiments" / "warmdown-03.yaml").read_text() == applied
+    assert (lab / ".autolab" / "status" / "warmdown-03.json").read_text() == record
+
+
+def test_a_deleted_name_is_never_reused_and_validate_agrees(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    p = autolab("delete", "warmdown-03", "--lab", str(lab), env=env)
+    assert p.returncode == 0 and "deleted (Cancelled)" in p.stdout, p.stderr
+    p = autolab("apply", "-f", str(f), "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "created" not in p.stdout
+    assert "names are permanent" in p.stderr and "ledger run exp-warmdown-03-1" in p.stderr
+    assert not (lab / "experiments" / "warmdown-03.yaml").exists()
+    v = autolab("validate", str(f), "--lab", str(lab), env=env)
+    assert v.returncode == 1 and "NameTaken" in v.stdout and "names are permanent" in v.stdout
+
+
+def test_applying_a_directory_does_not_bring_a_deleted_experiment_back(lab, env):
+    drafts = lab / "experiments" / "drafts"
+    drafts.mkdir(parents=True)
+    warmdown_spec(lab, "warmdown-03", where=drafts)
+    assert autolab("apply", "-f", str(drafts), "--lab", str(lab), env=env).returncode == 0
+    assert autolab("delete", "warmdown-03", "--lab", str(lab), env=env).returncode == 0
+    warmdown_spec(lab, "warmdown-02", value="0.2", where=drafts)
+    p = autolab("apply", "-f", str(drafts), "--lab", str(lab), env=env)
+    assert p.returncode == 1
+    assert "warmdown-02 created" in p.stdout and "warmdown-03" not in p.stdout
+    assert "'warmdown-03' was used before" in p.stderr
+    got = autolab("get", "--lab", str(lab), env=env).stdout
+    assert "warmdown-02" in got and "warmdown-03" not in got
+
+
+# -- 3. ./dev runs autolab where the user stands ------------------------------------------------
+
+def dev_ready() -> bool:
+    import hashlib
+    stamp = hashlib.sha1((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    return (REPO / ".venv" / f".installed-{stamp}").exists()
+
+
+@pytest.mark.skipif(not dev_ready(), reason="the clone's .venv is not built (./dev builds it)")
+def test_dev_autolab_runs_in_the_callers_directory(tmp_path, env):
+    dev = str(REPO / "dev")
+    p = subprocess.run([dev, "autolab", "init", "mylab", "--profile", "tiny", "--data",
+                        "synthetic"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "mylab" / "lab.yaml").exists() and not (REPO / "mylab").exists()
+    # The hint names a command that works for someone without `autolab` on PATH.
+    assert f"{dev} autolab apply -f FILE" in p.stdout and "source " in p.stdout
+    p = subprocess.run([dev, "autolab", "get"], cwd=tmp_path / "mylab", env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0 and p.stdout.startswith("NAME"), p.stderr
+
+
+# -- 8. the lab is found from any folder inside it, like git ------------------------------------
+
+def test_commands_find_the_lab_from_a_folder_inside_it(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    inside = lab / "research" / "experiments"
+    inside.mkdir(parents=True, exist_ok=True)
+    p = autolab("apply", "-f", str(f), env=env, cwd=inside)
+    assert p.returncode == 0 and "created" in p.stdout, p.stderr
+    p = autolab("get", env=env, cwd=lab / "research")
+    assert p.returncode == 0 and "warmdown-03" in p.stdout, p.stderr
+    assert autolab("master", env=env, cwd=lab / "bench").returncode == 0
+
+
+def test_outside_any_lab_says_so_once(tmp_path, env):
+    p = autolab("get", env=env, cwd=tmp_path)
+    assert p.returncode == 1 and "not a lab (no lab.yaml here or in any parent" in p.stderr
+
+
+# -- 5. get shows what was applied at once; a typo is not found; logs says why there is none ----
+
+def test_an_applied_spec_shows_as_pending_at_once(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    p = autolab("get", "--lab", str(lab), env=env)
+    assert p.returncode == 0
+    row = next(line for line in p.stdout.splitlines() if line.startswith("warmdown-03"))
+    assert row.split()[1] == "Pending"
+    # A file dropped into experiments/ by hand shows too, before the loop has read it.
+    warmdown_spec(lab, "by-hand", value="0.2", where=lab / "experiments")
+    p = autolab("get", "by-hand", "--lab", str(lab), env=env)
+    assert p.returncode == 0 and "by-hand" in p.stdout and "Pending" in p.stdout
+
+
+def test_a_typo_is_not_found_with_the_close_name_suggested(lab, env):
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    for verb in ("get", "describe", "logs"):
+        p = autolab(verb, "warmdwn-03", "--lab", str(lab), env=env)
+        assert p.returncode == 1
+        assert p.stderr.startswith("error: experiment 'warmdwn-03' not found; did you mean "
+                                   "warmdown-03?"), p.stderr
+        assert "reconciled" not in p.stderr
+
+
+def test_logs_of_an_experiment_that_never_ran_says_why_not_yet(lab, env):
+    f = write_spec(lab / "bad.yaml", "bad-warmdown", master_hash(lab)[:12],
+                   zero_context_diff("WARMDOWN_RATIO = 0.9", "WARMDOWN_RATIO = 0.3"))
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    p = autolab("logs", "bad-warmdown", "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "is Pending and has no run yet" in p.stderr
+    from controller.local import LocalLab
+    LocalLab(lab).reconcile_one("bad-warmdown", schedule=False)  # the loop's pre-run check
+    p = autolab("logs", "bad-warmdown", "--lab", str(lab), env=env)
+    assert p.returncode == 1
+    assert "is Invalid and never ran, so it has no log" in p.stderr and "(yet)" not in p.stderr

@@ -49,6 +49,7 @@ from controller.core.spec import (API_VERSION, ExperimentSpec, SpecError, is_val
                                   validate_document)
 from controller.lab.clock import utcnow
 from controller.lab.memory import near_duplicates
+from controller.lab.paths import find_lab_root
 from controller.lab.repo import GitError, atomic_write
 from controller.local import LocalLab, load_yaml_file
 
@@ -280,9 +281,10 @@ class Validator:
                         "spec; the controller runs the spec it checked and ignores changes. "
                         "Apply this one under a new name")
             return None
-        if self.lab.ledger.has_run(run_name(name)):
-            return (f"experiment name {name!r} was used before (ledger run {run_name(name)}); "
-                    "names are permanent, choose a new one")
+        used = self.lab.name_used(name)
+        if used or self.lab.ledger.has_run(run_name(name)):
+            return (f"experiment name {name!r} was used before ({used or 'ledger run ' + run_name(name)}); "
+                    "names are permanent once recorded: choose a new one")
         return None
 
     def _decide(self, source: str, name: str, spec: ExperimentSpec | None,
@@ -665,11 +667,7 @@ def kickoff_text(runtime: str, gpu_slots: int, contracts: list[Contract] | None 
 
 def open_lab(path: str) -> LocalLab:
     """The lab at `path`; from inside a scratch worktree (a checkout of the lab), the lab itself."""
-    p = Path(path).resolve()
-    for d in (p, *p.parents):
-        if d.name == "scratch" and d.parent.name == ".autolab":
-            return LocalLab(d.parent.parent)
-    return LocalLab(p)
+    return LocalLab(find_lab_root(path) or Path(path).resolve())
 
 
 def cmd_worktree(a) -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.cli.output import activate_hint, autolab_command
 from controller.core.spec import API_VERSION
 from controller.local import LAB_FILE, LocalLab
 
@@ -145,7 +146,8 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
     cmd_master(A)
     print(f"\ndemo finished in {time.time() - started:.0f} s")
     if keep or directory:
-        print(f"the lab stays in {root}: try `autolab get --lab {root}`")
+        print(f"the lab stays in {root}: try `cd {root} && {autolab_command()} get -o wide`"
+              f"{activate_hint()}")
     else:
         shutil.rmtree(base, ignore_errors=True)
     sys.stdout.flush()

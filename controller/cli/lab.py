@@ -18,7 +18,8 @@ from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
 from controller.local import LocalLab, load_yaml_file
-from controller.cli.output import CliError, item, one_line, print_table, printable, table_rows
+from controller.cli.output import (CliError, activate_hint, autolab_command, item, one_line,
+                                   print_table, printable, table_rows)
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
@@ -52,8 +53,9 @@ def cmd_init(a) -> int:
     m = lab.repo.master()
     print(f"lab {lab.name} initialised in {lab.root}")
     print(f"master {m.hash[:12]} (commit {m.commit[:10]}); profile {a.profile}, data {a.data}")
-    print(f"next: write a spec (autolab new), `autolab apply -f FILE --lab {a.dir}`, "
-          f"`autolab run --lab {a.dir}`")
+    cmd = autolab_command()
+    print(f"next: `cd {a.dir}`, write a spec (`{cmd} worktree NAME`, `{cmd} new NAME`), then "
+          f"`{cmd} apply -f FILE` and `{cmd} run`{activate_hint()}")
     return 0
 
 
@@ -94,10 +96,16 @@ def cmd_apply(a) -> int:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    for src, doc in docs:
-        verb = lab.apply_file(doc, src)
-        print(f"experiment.autolab.dev/{doc['metadata']['name']} {verb}")
-    return 0
+    refused = 0
+    for src, doc in docs:  # like kubectl: each document on its own; a refusal writes nothing
+        try:
+            verb = lab.apply_file(doc, src)
+        except SpecError as e:
+            refused += 1
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            continue
+        print(f"experiment.autolab.dev/{doc['metadata']['name']} {verb}", flush=True)
+    return 1 if refused else 0
 
 
 class Progress:
@@ -224,16 +232,42 @@ def cmd_noise(a) -> int:
     return 0
 
 
+def lab_records(lab: LocalLab) -> dict[str, dict]:
+    """Every experiment the lab knows, by name: its record, or (a spec file the loop has not
+    read yet) the spec as Pending, as kubectl shows an object the moment it is created."""
+    records = {n: lab.read_record(n) for n in lab.names()}
+    for n, sf in lab.load_specs().specs.items():
+        if n not in records and sf.doc is not None and sf.error is None:
+            records[n] = {"spec": sf.doc.get("spec") or {}, "status": {"phase": "Pending"},
+                          "metadata": sf.doc.get("metadata") or {}}
+    return dict(sorted(records.items()))
+
+
+def not_found(lab: LocalLab, name: str, known=None) -> CliError:
+    """`experiment 'x' not found`, with the closest known names when there are some."""
+    import difflib
+    close = difflib.get_close_matches(name, list(known if known is not None
+                                                 else lab_records(lab)), n=3, cutoff=0.6)
+    if not close:
+        return CliError(f"experiment {name!r} not found")
+    return CliError(f"experiment {name!r} not found; did you mean {' or '.join(close)}? "
+                    "(`autolab get` lists them)")
+
+
+def record_of(lab: LocalLab, name: str) -> dict:
+    records = lab_records(lab)
+    if name not in records:
+        raise not_found(lab, name, records)
+    return records[name]
+
+
 def cmd_get(a) -> int:
     lab = LocalLab(a.lab)
-    names = [a.name] if a.name else lab.names()
-    records = {}
-    for n in names:
-        r = lab.read_record(n)
-        if not r:
-            raise CliError(f"experiment {n!r} not found (it has not been reconciled yet: "
-                           "`autolab run`)")
-        records[n] = r
+    records = lab_records(lab)
+    if a.name:
+        if a.name not in records:
+            raise not_found(lab, a.name, records)
+        records = {a.name: records[a.name]}
     if a.output in ("json", "yaml"):
         items = [item(n, r) for n, r in records.items()]
         doc = items[0] if a.name else {"apiVersion": "v1", "kind": "List", "items": items}
@@ -248,9 +282,7 @@ def cmd_get(a) -> int:
 
 def cmd_describe(a) -> int:
     lab = LocalLab(a.lab)
-    r = lab.read_record(a.name)
-    if not r:
-        raise CliError(f"experiment {a.name!r} not found")
+    r = record_of(lab, a.name)
     st, spec = r.get("status") or {}, r.get("spec") or {}
     out = [f"Name:         {a.name}", f"Lab:          {spec.get('lab', 'default')}",
            f"Campaign:     {spec.get('campaign', '')}", f"Hypothesis:   {spec.get('hypothesis')}",
@@ -280,11 +312,15 @@ def cmd_describe(a) -> int:
 
 def cmd_logs(a) -> int:
     lab = LocalLab(a.lab)
-    r = lab.read_record(a.name)
-    job = ((r.get("status") or {}).get("job") or {}) if r else {}
+    st = record_of(lab, a.name).get("status") or {}
+    job = st.get("job") or {}
     if not job:
-        raise CliError(f"experiment {a.name!r} has no run (yet); see `autolab describe "
-                       f"{a.name}`")
+        phase = st.get("phase") or "Pending"
+        if phase in TERMINAL:
+            raise CliError(f"experiment {a.name!r} is {phase} and never ran, so it has no log; "
+                           f"`autolab describe {a.name}` says why")
+        raise CliError(f"experiment {a.name!r} is {phase} and has no run yet; `autolab run` "
+                       f"starts it, `autolab get -w` shows when it does")
     backend = lab.backend_for(job["backend"])
     path = backend.log_path(job["name"]) if hasattr(backend, "log_path") else None
     if path is None or not Path(path).exists():

@@ -22,6 +22,7 @@ from controller.cli.output import REPO_ROOT, CliError, one_line
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
+from controller.lab.paths import find_lab_root
 from controller.lab.repo import GitError
 from controller.engine import BaselineFailed
 from controller.lab.profiles import profiles
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name, fn, help_, lab=True):
         sp = sub.add_parser(name, help=help_, description=help_)
         if lab:
-            sp.add_argument("--lab", default=".", metavar="DIR", help="lab directory (default: .)")
+            sp.add_argument("--lab", default=".", metavar="DIR",
+                            help="lab directory (default: the lab around the current directory)")
         sp.set_defaults(fn=fn)
         return sp
 
@@ -51,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-metric", action="store_true",
                     help="with --from: take the master's val_bpb from SEED_DIR/research/live/"
                          "master.json instead of measuring it again")
-    sp = add("apply", lab.cmd_apply, "create or update experiments from spec files")
+    sp = add("apply", lab.cmd_apply, "create experiments from spec files (a spec cannot change "
+             "once applied, and a name recorded in the ledger is never reused)")
     sp.add_argument("-f", "--filename", action="append", required=True,
                     help="FILE, DIR or - (stdin); repeatable")
     sp = add("run", lab.cmd_run, "reconcile until every experiment is finished")
@@ -296,6 +299,9 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if isinstance(getattr(a, "lab", None), str):
+        found = find_lab_root(a.lab)  # from anywhere inside a lab, like git
+        a.lab = str(found) if found is not None else a.lab
     try:
         rc = a.fn(a)
         sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit

@@ -11,6 +11,23 @@ from controller.core.spec import API_VERSION
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def autolab_command() -> str:
+    """How the person who started this process runs `autolab`: through `./dev` (which puts
+    the clone's venv on PATH for its own child only) the dev script's full path, else `autolab`."""
+    import os
+    dev = os.environ.get("AUTOLAB_DEV")
+    return f"{dev} autolab" if dev else "autolab"
+
+
+def activate_hint() -> str:
+    """A note on putting `autolab` on PATH, for someone who came through `./dev`; else ''."""
+    import os
+    dev = os.environ.get("AUTOLAB_DEV")
+    if not dev:
+        return ""
+    return f" (or `source {Path(dev).parent / '.venv' / 'bin' / 'activate'}` once, then `autolab ...`)"
+
+
 class CliError(Exception):
     """A known failure of a command: `autolab` prints it on one line and exits 1."""
 

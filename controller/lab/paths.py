@@ -29,6 +29,20 @@ MASTER_FILE = "research/live/master.json"
 STATE = ".autolab"
 
 
+def find_lab_root(start: str | Path) -> Path | None:
+    """The lab that `start` is in, found the way git finds `.git`: `start` itself or the nearest
+    parent holding lab.yaml. Inside the lab's own state (a scratch checkout or a candidate's
+    worktree under .autolab/, which hold a lab.yaml of their own) it is the lab around them."""
+    here = Path(start).resolve()
+    for d in (here, *here.parents):
+        if d.name == STATE and (d.parent / LAB_FILE).is_file():
+            return d.parent
+    for d in (here, *here.parents):
+        if (d / LAB_FILE).is_file():
+            return d
+    return None
+
+
 @dataclass(frozen=True)
 class LabPaths:
     root: Path
