@@ -263,3 +263,152 @@ def test_logs_of_an_experiment_that_never_ran_says_why_not_yet(lab, env):
     p = autolab("logs", "bad-warmdown", "--lab", str(lab), env=env)
     assert p.returncode == 1
     assert "is Invalid and never ran, so it has no log" in p.stderr and "(yet)" not in p.stderr
+
+
+# -- 6. kubectl habits ---------------------------------------------------------------------------
+
+def labelled(lab: Path, name: str, value: str, labels: dict) -> Path:
+    f = warmdown_spec(lab, name, value=value)
+    doc = yaml.safe_load(f.read_text())
+    doc["metadata"]["labels"] = labels
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return f
+
+
+def test_label_selectors_pick_experiments_by_metadata_labels(lab, env):
+    for name, value, labels in (("wd-a", "0.3", {"owner": "ada", "tier": "quick"}),
+                                ("wd-b", "0.2", {"owner": "bob"}),
+                                ("wd-c", "0.1", {"owner": "ada"})):
+        f = labelled(lab, name, value, labels)
+        assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+
+    def names(*args):
+        p = autolab("get", "-o", "name", *args, "--lab", str(lab), env=env)
+        assert p.returncode == 0, p.stderr
+        return [line.split("/")[-1] for line in p.stdout.split()]
+
+    assert names("-l", "owner=ada") == ["wd-a", "wd-c"]
+    assert names("-l", "owner!=ada") == ["wd-b"]
+    assert names("-l", "owner=ada,tier") == ["wd-a"]
+    assert names("-l", "!tier") == ["wd-b", "wd-c"]
+    assert names("-l", "owner=carol") == []
+    p = autolab("get", "-l", "owner=ada", "-o", "json", "--lab", str(lab), env=env)
+    assert {i["metadata"]["labels"]["owner"] for i in __import__("json").loads(p.stdout)["items"]} \
+        == {"ada"}
+    p = autolab("get", "-l", "a b", "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "key=value" in p.stderr
+
+
+def test_sort_by_a_field_or_a_column(lab, env):
+    import json
+    for name, value in (("wd-a", "0.3"), ("wd-b", "0.2"), ("wd-c", "0.1")):
+        assert autolab("apply", "-f", str(warmdown_spec(lab, name, value)), "--lab", str(lab),
+                       env=env).returncode == 0
+    for name, val in (("wd-a", 1.5), ("wd-b", 1.2), ("wd-c", 1.9)):  # as a finished run has
+        f = lab / ".autolab" / "status" / f"{name}.json"
+        rec = json.loads(f.read_text())
+        rec["status"] = {"phase": "Succeeded", "metrics": {"val_bpb": val}}
+        f.write_text(json.dumps(rec))
+
+    def order(by):
+        p = autolab("get", "--sort-by", by, "--lab", str(lab), env=env)
+        assert p.returncode == 0, p.stderr
+        return [line.split()[0] for line in p.stdout.splitlines()[1:]]
+
+    assert order(".status.metrics.val_bpb") == ["wd-b", "wd-a", "wd-c"]
+    assert order("{.status.valBpb}") == ["wd-b", "wd-a", "wd-c"]
+    assert order("VAL_BPB") == ["wd-b", "wd-a", "wd-c"]
+    assert order(".metadata.name") == ["wd-a", "wd-b", "wd-c"]
+    p = autolab("get", "--sort-by", ".status.nothing", "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "no experiment has that field" in p.stderr
+
+
+def test_delete_by_file_and_all(lab, env):
+    files = [warmdown_spec(lab, n, v) for n, v in (("wd-a", "0.3"), ("wd-b", "0.2"),
+                                                     ("wd-c", "0.1"))]
+    for f in files:
+        assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    p = autolab("delete", "-f", str(files[0]), "--lab", str(lab), env=env)
+    assert p.returncode == 0 and "wd-a deleted (Cancelled)" in p.stdout, p.stderr
+    p = autolab("delete", "--all", "--lab", str(lab), env=env)
+    assert p.returncode == 0, p.stderr
+    assert "wd-b deleted" in p.stdout and "wd-c deleted" in p.stdout
+    assert autolab("get", "-o", "name", "--lab", str(lab), env=env).stdout == ""
+    p = autolab("delete", "--lab", str(lab), env=env)
+    assert p.returncode == 1 and "--all" in p.stderr
+
+
+def test_version_and_shell_completion(lab, env):
+    from importlib.metadata import version
+    p = autolab("--version", env=env)
+    assert p.returncode == 0 and p.stdout.strip() == f"autolab {version('autolab')}"
+    script = autolab("completion", "bash", env=env)
+    assert script.returncode == 0 and "complete -o default -F _autolab_complete autolab" \
+        in script.stdout
+    assert autolab("apply", "-f", str(warmdown_spec(lab, "warmdown-03")), "--lab", str(lab),
+                   env=env).returncode == 0
+    (lab / "script.sh").write_text(script.stdout)
+    bash_env = {**env, "PATH": f"{AUTOLAB.parent}:{env.get('PATH', '')}"}
+
+    def complete(line: str) -> list[str]:
+        words = line.split(" ")
+        probe = (f"source script.sh; COMP_WORDS=({' '.join(repr(w) for w in words)}); "
+                 f"COMP_CWORD={len(words) - 1}; _autolab_complete; echo \"${{COMPREPLY[@]}}\"")
+        p = subprocess.run(["bash", "-c", probe], cwd=lab, env=bash_env, capture_output=True,
+                           text=True, timeout=TIMEOUT)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.split()
+
+    assert complete("autolab de") == ["describe", "delete", "demo"]
+    assert complete("autolab get -o ") == ["wide", "json", "yaml", "name"]
+    assert "--sort-by" in complete("autolab get --so")
+    assert complete("autolab describe warm") == ["warmdown-03"]
+    assert complete("autolab agents re") == ["render"]
+    assert autolab("completion", "zsh", env=env).stdout.startswith("# zsh completion")
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 30.0) -> str:
+    """Lines of `proc`'s stdout until one holds `needle` (a thread reads; we wait)."""
+    import queue
+    import threading
+    q: queue.Queue = getattr(proc, "_lines", None) or queue.Queue()
+    if not hasattr(proc, "_lines"):
+        proc._lines = q
+
+        def pump():
+            for line in proc.stdout:
+                q.put(line)
+            q.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+    seen = ""
+    while True:
+        line = q.get(timeout=timeout)
+        assert line is not None, f"ended before {needle!r}: {seen}"
+        seen += line
+        if needle in line:
+            return seen
+
+
+def test_get_watch_prints_each_change_until_ctrl_c(lab, env):
+    import json
+    import signal
+    assert autolab("apply", "-f", str(warmdown_spec(lab, "wd-a", "0.3")), "--lab", str(lab),
+                   env=env).returncode == 0
+    w = subprocess.Popen([*COMMAND, "get", "-w", "--interval", "0.2", "--lab", str(lab)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert read_until(w, "wd-a").startswith("NAME")
+        assert autolab("apply", "-f", str(warmdown_spec(lab, "wd-b", "0.2")), "--lab", str(lab),
+                       env=env).returncode == 0
+        line = read_until(w, "wd-b")
+        assert "Pending" in line and "NAME" not in line  # one new row, no second header
+        f = lab / ".autolab" / "status" / "wd-a.json"
+        rec = json.loads(f.read_text())
+        rec["status"] = {"phase": "Queued"}
+        f.write_text(json.dumps(rec))
+        assert "Queued" in read_until(w, "wd-a")
+        w.send_signal(signal.SIGINT)
+        assert w.wait(timeout=30) == 130
+        assert "Traceback" not in w.stderr.read()
+    finally:
+        w.kill()

@@ -18,6 +18,7 @@ from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
 from controller.local import LocalLab, load_yaml_file
+from controller.cli.listing import select, sort_records
 from controller.cli.output import (CliError, activate_hint, autolab_command, item, one_line,
                                    print_table, printable, table_rows)
 
@@ -237,9 +238,13 @@ def lab_records(lab: LocalLab) -> dict[str, dict]:
     read yet) the spec as Pending, as kubectl shows an object the moment it is created."""
     records = {n: lab.read_record(n) for n in lab.names()}
     for n, sf in lab.load_specs().specs.items():
-        if n not in records and sf.doc is not None and sf.error is None:
+        if sf.doc is None or not isinstance(sf.doc.get("metadata"), dict):
+            continue
+        if n in records:  # the labels are the spec file's (metadata may change; spec may not)
+            records[n] = {**records[n], "metadata": sf.doc["metadata"]}
+        elif sf.error is None:
             records[n] = {"spec": sf.doc.get("spec") or {}, "status": {"phase": "Pending"},
-                          "metadata": sf.doc.get("metadata") or {}}
+                          "metadata": sf.doc["metadata"]}
     return dict(sorted(records.items()))
 
 
@@ -261,23 +266,75 @@ def record_of(lab: LocalLab, name: str) -> dict:
     return records[name]
 
 
-def cmd_get(a) -> int:
-    lab = LocalLab(a.lab)
+def listed(lab: LocalLab, a) -> dict[str, dict]:
+    """The experiments `get` shows: one by name, or all that match `-l`, in `--sort-by` order."""
     records = lab_records(lab)
     if a.name:
         if a.name not in records:
             raise not_found(lab, a.name, records)
         records = {a.name: records[a.name]}
+    return sort_records(select(records, a.selector), a.sort_by)
+
+
+def _show(a, records: dict[str, dict], header: bool = True,
+          widths: list[int] | None = None) -> list[int] | None:
+    if a.output == "name":
+        for n in records:
+            print(f"experiment.autolab.dev/{n}")
+        return None
     if a.output in ("json", "yaml"):
         items = [item(n, r) for n, r in records.items()]
+        if a.watch:  # one document per change, as `kubectl get -w -o json` streams them
+            for i in items:
+                print(json.dumps(i, indent=2) if a.output == "json"
+                      else "---\n" + yaml.safe_dump(i, sort_keys=False), end="\n"
+                      if a.output == "json" else "")
+            return None
         doc = items[0] if a.name else {"apiVersion": "v1", "kind": "List", "items": items}
         print(json.dumps(doc, indent=2) if a.output == "json"
               else yaml.safe_dump(doc, sort_keys=False), end="\n" if a.output == "json" else "")
-        return 0
+        return None
     head, rows = table_rows([(n, r.get("status") or {}, r.get("spec") or {})
                              for n, r in records.items()], wide=a.output == "wide")
-    print_table(head, rows)
-    return 0
+    if not rows and not header:
+        return widths
+    return print_table(head, rows, widths=widths, header=header)
+
+
+def cmd_get(a) -> int:
+    lab = LocalLab(a.lab)
+    records = listed(lab, a)
+    if not a.watch:
+        _show(a, records)
+        return 0
+    return watch(lab, a, records)
+
+
+def _row_key(r: dict) -> str:
+    st = dict(r.get("status") or {})
+    st.pop("conditions", None)  # a condition's time moves without anything to show
+    return json.dumps([st, (r.get("metadata") or {}).get("labels")], sort_keys=True,
+                      default=str)
+
+
+def watch(lab: LocalLab, a, records: dict[str, dict]) -> int:
+    """`get -w`: the list, then every experiment again each time it changes, until Ctrl-C."""
+    widths = _show(a, records)
+    sys.stdout.flush()
+    seen = {n: _row_key(r) for n, r in records.items()}
+    while True:
+        time.sleep(a.interval)
+        try:
+            records = listed(lab, a)
+        except CliError:
+            if a.name:  # `get -w NAME` of an experiment deleted meanwhile: it is gone
+                return 0
+            raise
+        changed = {n: r for n, r in records.items() if seen.get(n) != _row_key(r)}
+        if changed:
+            widths = _show(a, changed, header=False, widths=widths) or widths
+            sys.stdout.flush()
+            seen.update({n: _row_key(r) for n, r in changed.items()})
 
 
 def cmd_describe(a) -> int:
@@ -342,10 +399,34 @@ def cmd_logs(a) -> int:
 
 def cmd_delete(a) -> int:
     lab = LocalLab(a.lab)
-    d = lab.delete(a.name)
-    phase = d.status.get("phase") if d else "removed"
-    print(f"experiment.autolab.dev/{a.name} deleted ({phase})")
-    return 0
+    names = list(a.name)
+    for src, doc in _read_sources(a.filename or []):
+        meta = doc.get("metadata") if isinstance(doc, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(name, str) or not name:
+            raise CliError(f"{src}: metadata.name: required field is missing; it names the "
+                           "experiment to delete")
+        names.append(name)
+    records = lab_records(lab)
+    if a.all:
+        if names:
+            raise CliError("delete: give names (or -f FILE), or --all, not both")
+        names = list(records)
+        if not names:
+            print("no experiments to delete", file=sys.stderr)
+    elif not names:
+        raise CliError("delete: name the experiment (`autolab delete NAME`), or pass -f FILE "
+                       "or --all")
+    missing = 0
+    for n in dict.fromkeys(names):
+        if n not in records:
+            missing += 1
+            print(f"error: {not_found(lab, n, records)}", file=sys.stderr, flush=True)
+            continue
+        d = lab.delete(n)
+        phase = d.status.get("phase") if d else "removed"
+        print(f"experiment.autolab.dev/{n} deleted ({phase})", flush=True)
+    return 1 if missing else 0
 
 
 def cmd_ledger(a) -> int:

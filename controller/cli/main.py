@@ -17,7 +17,7 @@ from filelock import Timeout as LockTimeout
 
 from controller.backends import BackendConfigError
 from controller.lab.harness import HarnessError
-from controller.cli import authoring, demo, hf, lab, operator
+from controller.cli import authoring, completion, demo, hf, lab, operator
 from controller.cli.output import REPO_ROOT, CliError, one_line
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
@@ -28,8 +28,17 @@ from controller.engine import BaselineFailed
 from controller.lab.profiles import profiles
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("autolab")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autolab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"autolab {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, fn, help_, lab=True):
@@ -71,14 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
     sp = add("get", lab.cmd_get, "list experiments (or one)")
     sp.add_argument("name", nargs="?")
-    sp.add_argument("-o", "--output", choices=["wide", "json", "yaml"])
+    sp.add_argument("-o", "--output", choices=["wide", "json", "yaml", "name"])
+    sp.add_argument("-w", "--watch", action="store_true",
+                    help="after the list, print each experiment again when it changes (Ctrl-C "
+                         "stops)")
+    sp.add_argument("-l", "--selector", metavar="SELECTOR",
+                    help="only experiments whose metadata.labels match: key=value, key!=value, "
+                         "key, !key; comma-separated")
+    sp.add_argument("--sort-by", metavar="FIELD",
+                    help="a field (.status.metrics.val_bpb, .status.delta, .metadata.name) or a "
+                         "column (VAL_BPB, DELTA, AGE, ...)")
+    sp.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
     sp = add("describe", lab.cmd_describe, "everything about one experiment, with its events")
     sp.add_argument("name")
     sp = add("logs", lab.cmd_logs, "the run log of an experiment")
     sp.add_argument("name")
     sp.add_argument("-f", "--follow", action="store_true")
-    sp = add("delete", lab.cmd_delete, "delete an experiment (cancels its run, records it)")
-    sp.add_argument("name")
+    sp = add("delete", lab.cmd_delete, "delete experiments (cancels their runs, records them; "
+             "a name is never reused)")
+    sp.add_argument("name", nargs="*")
+    sp.add_argument("-f", "--filename", action="append",
+                    help="the experiments named in FILE, DIR or - (stdin); repeatable")
+    sp.add_argument("--all", action="store_true",
+                    help="every experiment (runs in flight are cancelled; ledger rows stay)")
     sp = add("ledger", lab.cmd_ledger, "the ledger, research/results.tsv")
     sp.add_argument("-o", "--output", choices=["table", "tsv"], default="table")
     sp = add("master", lab.cmd_master, "the current master")
@@ -89,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dir", help="build the demo lab here instead of a temporary directory")
     sp = add("crds", lab.cmd_crds, "write the CRDs generated from the spec schema", lab=False)
     sp.add_argument("--out", default=str(REPO_ROOT / "crds"))
+    sp = add("completion", lambda a: completion.cmd_completion(a, p), "print a shell "
+             "completion script: `source <(autolab completion bash)` (or zsh)", lab=False)
+    sp.add_argument("shell", choices=["bash", "zsh"])
     authoring.add_commands(sub, add)
     hf.add_commands(sub, add)
     operator.add_arguments(add("operator", operator.cmd_operator,

@@ -72,17 +72,23 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     return head, out
 
 
-def print_table(head: list[str], rows: list[list[str]], out=None) -> None:
+def print_table(head: list[str], rows: list[list[str]], out=None,
+                widths: list[int] | None = None, header: bool = True) -> list[int]:
+    """Columns padded to their widest cell (or to `widths`); returns the widths used."""
     out = out or sys.stdout
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(head)]
-    for r in [head] + rows:
+    widths = widths or [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+                        for i, h in enumerate(head)]
+    for r in ([head] if header else []) + rows:
         out.write("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+    return widths
 
 
 def item(name: str, record: dict) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "Experiment",
-            "metadata": {"name": name, "generation": record.get("generation", 1)},
+    meta: dict = {"name": name, "generation": record.get("generation", 1)}
+    labels = (record.get("metadata") or {}).get("labels")
+    if labels:
+        meta["labels"] = labels
+    return {"apiVersion": API_VERSION, "kind": "Experiment", "metadata": meta,
             "spec": record.get("spec") or {}, "status": record.get("status") or {}}
 
 
