@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
-from controller.core.spec import DIFF_MAX_BYTES, SpecError, validate_document
+from controller.core.spec import DIFF_MAX_BYTES, NAME_MAX, SpecError, validate_document
 from controller.kube.crds import experiment_crd, lab_crd, render
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +47,11 @@ def test_every_field_says_what_it_is_for_kubectl_explain(crd):
 
     def walk(node: dict, path: str) -> None:
         for key, sub in (node.get("properties") or {}).items():
+            if path == crd["spec"]["names"]["kind"] and key == "metadata":
+                # A CRD may not describe metadata (only restrict name and generateName):
+                # kubectl explain shows ObjectMeta's own description.
+                walk(sub, f"{path}.{key}")
+                continue
             if not sub.get("description"):
                 missing.append(f"{path}.{key}")
             walk(sub, f"{path}.{key}")
@@ -59,10 +64,12 @@ def test_every_field_says_what_it_is_for_kubectl_explain(crd):
 
 
 def test_kubectl_get_shows_phase_outcome_metric_and_master():
-    def columns(crd: dict) -> list[str]:
-        return [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+    def columns(crd: dict, wide: bool = False) -> list[str]:
+        return [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]
+                if wide or not c.get("priority")]
 
     assert columns(experiment_crd()) == ["Phase", "Outcome", "val_bpb", "Delta", "Campaign", "Age"]
+    assert columns(experiment_crd(), wide=True)[-2:] == ["Lab", "Hypothesis"]  # -o wide
     assert columns(lab_crd()) == ["Metric", "Master", "Best", "Running", "Noise", "Age"]
     for crd, short in ((experiment_crd(), "exp"), (lab_crd(), "lab")):
         version = crd["spec"]["versions"][0]
@@ -170,6 +177,25 @@ def test_invalid_specs_are_refused_by_the_crd_schema_and_by_autolab_apply(what):
     assert list(crd_validator(experiment_crd()).iter_errors(doc)), f"the CRD accepts: {what}"
     with pytest.raises(SpecError):
         validate_document(doc, source="spec.yaml", kind="Experiment")
+
+
+def test_an_experiment_spec_is_immutable_and_a_lab_spec_is_not():
+    """An Experiment is one measured run of one diff; a Lab's budget and capacity are tuned."""
+    def rules(crd: dict) -> list[dict]:
+        return schema_of(crd)["properties"]["spec"].get("x-kubernetes-validations") or []
+
+    (rule,) = rules(experiment_crd())
+    assert rule["rule"] == "self == oldSelf"
+    assert "create a new Experiment with a new metadata.name" in rule["message"]
+    assert rules(lab_crd()) == []
+
+
+@pytest.mark.parametrize("crd", [experiment_crd(), lab_crd()], ids=["Experiment", "Lab"])
+def test_metadata_restricts_only_the_name_as_the_api_server_allows(crd):
+    meta = schema_of(crd)["properties"]["metadata"]
+    assert set(meta) == {"type", "properties"} and meta["type"] == "object"
+    assert set(meta["properties"]) == {"name"}
+    assert meta["properties"]["name"]["maxLength"] == NAME_MAX
 
 
 def test_diff_size_limit_is_the_same_in_the_crd_and_the_validator():

@@ -5,6 +5,12 @@ checks that the files in the repo equal what this module renders, so the CRDs
 and the local validator cannot drift apart. Beside them go kopf's namespaced
 `KopfPeering` CRD (operators hand over through it) and a kustomization, so
 `kubectl apply -k crds/` installs every CRD the operator needs.
+
+Beyond the schema, the API server enforces two things here: an Experiment's
+spec cannot change once applied (`x-kubernetes-validations: self == oldSelf`;
+a Lab's spec stays mutable, since its budget, capacity and image are meant to
+be tuned), and a name must be a short DNS label (`metadata.name` pattern and
+maxLength: the only part of metadata a CRD may restrict).
 """
 
 from __future__ import annotations
@@ -79,7 +85,9 @@ def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: 
         "properties": {
             "apiVersion": {"type": "string", "description": "autolab.dev/v1alpha1"},
             "kind": {"type": "string", "description": kind},
-            "metadata": {"type": "object", "description": "Standard object metadata.",
+            # A CRD may restrict only metadata.name and generateName, and nothing else of
+            # metadata (not even its description: kubectl explain shows ObjectMeta's).
+            "metadata": {"type": "object",
                          "properties": {"name": {
                              "type": "string", "pattern": NAME_PATTERN, "maxLength": NAME_MAX,
                              "description": NAME_DESCRIPTION[kind]}}},
@@ -106,14 +114,28 @@ def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: 
     }
 
 
+# An Experiment is one measured run of one diff: a changed spec would make its status, its Job
+# and its ledger row describe something it no longer says. The API server refuses the change.
+IMMUTABLE_SPEC = [{
+    "rule": "self == oldSelf",
+    "message": "the spec of an Experiment cannot change once applied (it is one measured run of "
+               "one diff); to try something else, create a new Experiment with a new "
+               "metadata.name",
+}]
+
+
 def experiment_crd() -> dict:
-    return _crd("Experiment", "experiments", "exp", EXPERIMENT_SPEC, EXPERIMENT_STATUS, [
+    spec = {**EXPERIMENT_SPEC, "x-kubernetes-validations": IMMUTABLE_SPEC}
+    return _crd("Experiment", "experiments", "exp", spec, EXPERIMENT_STATUS, [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Outcome", "type": "string", "jsonPath": ".status.outcome"},
         {"name": "val_bpb", "type": "number", "jsonPath": ".status.metrics.val_bpb"},
         {"name": "Delta", "type": "number", "jsonPath": ".status.delta"},
         {"name": "Campaign", "type": "string", "jsonPath": ".spec.campaign"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        # priority 1: kubectl shows these with -o wide only
+        {"name": "Lab", "type": "string", "jsonPath": ".spec.lab", "priority": 1},
+        {"name": "Hypothesis", "type": "string", "jsonPath": ".spec.hypothesis", "priority": 1},
     ])
 
 
