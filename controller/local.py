@@ -463,6 +463,23 @@ class LocalLab:
             self.statuses.read(name)  # recorded now: Pending until the loop checks it
         return "created"
 
+    def runs_in_flight(self) -> list[tuple[str, str | None]]:
+        """(run, experiment) of every local run whose process is still going. Runs live in their
+        own session, so they outlive the loop that started them; the next loop adopts them."""
+        runs = self.paths.state / "runs"
+        backend = self.backends["local"]
+        out = []
+        for d in sorted(runs.iterdir()) if runs.is_dir() else []:
+            if not (d / "launch.json").exists() or (d / "result.json").exists():
+                continue
+            if backend.observe(d.name).state == "running":
+                try:
+                    experiment = json.loads((d / "launch.json").read_text()).get("experiment")
+                except (OSError, ValueError):
+                    experiment = None
+                out.append((d.name, experiment))
+        return out
+
     def delete(self, name: str) -> Decision | None:
         loaded = self.load_specs()
         sf = loaded.specs.get(name)

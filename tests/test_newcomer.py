@@ -412,3 +412,41 @@ def test_get_watch_prints_each_change_until_ctrl_c(lab, env):
         assert "Traceback" not in w.stderr.read()
     finally:
         w.kill()
+
+
+# -- 7. Ctrl-C on `autolab run` says what goes on ----------------------------------------------
+
+def test_ctrl_c_on_run_says_the_runs_go_on_and_how_to_follow_them(lab, env):
+    import json
+    import signal
+    import time
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    run = subprocess.Popen([*COMMAND, "run", "--unsafe-no-sandbox", "--interval", "0.2"],
+                           cwd=lab, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    launch = None
+    try:
+        deadline = time.time() + 60
+        while launch is None and time.time() < deadline:
+            found = sorted((lab / ".autolab" / "runs").glob("*/launch.json"))
+            launch = json.loads(found[0].read_text()) if found else None
+            time.sleep(0.2)
+        assert launch is not None, "no run started"
+        time.sleep(0.5)
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 130
+        assert "Traceback" not in err
+        name = found[0].parent.name
+        assert f"1 run(s) go on in the background: {name}" in err, err
+        assert "`autolab run` again records their results" in err
+        assert "`autolab get -w`" in err and "log.txt" in err
+        assert Path(f"/proc/{launch['pid']}").exists(), "the run was stopped, not left going"
+    finally:
+        run.kill()
+        if launch is not None:
+            try:
+                os.killpg(launch["pid"], signal.SIGKILL)  # the run this test started
+            except ProcessLookupError:
+                pass

@@ -176,9 +176,41 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
     except BaselineFailed as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        progress.stop()
+        print(interrupted_note(lab), file=sys.stderr, flush=True)
+        return 130
     finally:
         progress.stop()
     return 0
+
+
+def interrupted_note(lab: LocalLab) -> str:
+    """What Ctrl-C on `autolab run` left behind. Runs live in their own process session by
+    design (a controller that stops, or crashes, never loses a run), so they go on; the next
+    `autolab run` adopts them and records their results. The note says so and how to follow
+    or stop them."""
+    cmd = autolab_command()
+    try:
+        running = lab.runs_in_flight()
+    except OSError:
+        running = []
+    if not running:
+        return f"{cmd} run: stopped; no run is in flight. `{cmd} run` goes on where it stopped."
+    known = set(lab_records(lab))
+    names = [e for _, e in running if e in known]
+    lines = [f"{cmd} run: stopped, but {len(running)} run(s) go on in the background: "
+             + ", ".join(r for r, _ in running) + ".",
+             f"  They finish on their own; `{cmd} run` again records their results (it adopts "
+             "them, never starts one twice)."]
+    follow = [f"`{cmd} logs -f {n}`" for n in names[:2]]
+    follow += [f"`tail -f {lab.paths.run_dir(r) / 'log.txt'}`" for r, e in running
+               if e not in known][:1]
+    lines.append(f"  Follow: `{cmd} get -w`, " + ", ".join(follow) + ".")
+    if names:
+        lines.append(f"  Stop them: `{cmd} delete {' '.join(names)}` (cancels and records "
+                     f"them), or `{cmd} delete --all`.")
+    return "\n".join(lines)
 
 
 def cmd_run(a) -> int:
@@ -392,6 +424,9 @@ def cmd_logs(a) -> int:
                 continue
             st = (lab.read_record(a.name).get("status") or {})
             if st.get("phase") in TERMINAL:
+                break
+            if job["backend"] == "local" and backend.observe(job["name"]).state != "running":
+                sys.stdout.write(f.read())  # ended while no `autolab run` was looping
                 break
             time.sleep(0.5)
     return 0
