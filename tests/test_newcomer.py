@@ -450,3 +450,56 @@ def test_ctrl_c_on_run_says_the_runs_go_on_and_how_to_follow_them(lab, env):
                 os.killpg(launch["pid"], signal.SIGKILL)  # the run this test started
             except ProcessLookupError:
                 pass
+
+
+# -- 9. polish: wide shows the whole message, numbers read as numbers, a closed pipe is quiet ---
+
+def test_wide_shows_the_whole_message_and_describe_spaces_its_fields(lab, env):
+    import json
+    assert autolab("apply", "-f", str(warmdown_spec(lab, "warmdown-03")), "--lab", str(lab),
+                   env=env).returncode == 0
+    f = lab / ".autolab" / "status" / "warmdown-03.json"
+    rec = json.loads(f.read_text())
+    message = ("candidate equals experiment improve-lr (ef28a0c4d9b1e2f3a4b5c6d7e8f90a1b2c3d4e5f), "
+               "exactly: no run spent on a repeat of a measured candidate")
+    rec["status"] = {"phase": "Duplicate", "message": message, "delta": -0.0123,
+                     "candidateHash": "ef28a0c4d9b1e2f3a4b5c6d7e8f90a1b2c3d4e5f"}
+    f.write_text(json.dumps(rec))
+    p = autolab("get", "-o", "wide", "--lab", str(lab), env=env)
+    assert message in p.stdout and "-0.012300" in p.stdout
+    p = autolab("describe", "warmdown-03", "--lab", str(lab), env=env)
+    assert "candidateHash:  ef28a0c4d9b1" in p.stdout
+    assert "delta:          -0.012300" in p.stdout
+    assert re.search(r"^Name: +warmdown-03$", p.stdout, re.M)
+
+
+def test_the_ledger_prints_metrics_with_six_decimals_and_signed_deltas(lab, env):
+    from controller.lab.ledger import Ledger
+    ledger = Ledger(lab / "research" / "results.tsv")
+    for run, val, delta in (("exp-a-1", "0.96341278901", "-0.0123"), ("exp-b-1", "1.2", "0.004"),
+                            ("exp-c-1", "", "")):
+        ledger.append({"run_id": run, "created_at": "2026-01-01T00:00:00Z", "status": "succeeded",
+                       "experiment_id": run[4:5], "val_bpb": val, "delta": delta})
+    p = autolab("ledger", "--lab", str(lab), env=env)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines()[1:]}
+    assert "0.963413" in rows["exp-a-1"] and "-0.012300" in rows["exp-a-1"]
+    assert "1.200000" in rows["exp-b-1"] and "+0.004000" in rows["exp-b-1"]
+    assert "0.96341278901" not in p.stdout
+    p = autolab("master", "--lab", str(lab), env=env)
+    assert "val_bpb:    not measured yet" in p.stdout
+
+
+def test_get_json_into_a_reader_that_hangs_up_is_quiet(lab, env):
+    for i in range(300):  # a long list: the reader leaves with most of it unwritten
+        warmdown_spec(lab, f"wd-{i}", value=f"0.{i + 1}", where=lab / "experiments")
+    p = subprocess.Popen([*COMMAND, "get", "-o", "json", "--lab", str(lab)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"{"
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        rc = p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert err == "" and rc in (0, 1), err

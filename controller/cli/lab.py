@@ -19,8 +19,8 @@ from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
 from controller.local import LocalLab, load_yaml_file
 from controller.cli.listing import select, sort_records
-from controller.cli.output import (CliError, activate_hint, autolab_command, item, one_line,
-                                   print_table, printable, table_rows)
+from controller.cli.output import (CliError, activate_hint, autolab_command, item, number,
+                                   one_line, print_table, printable, table_rows)
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
@@ -373,17 +373,22 @@ def cmd_describe(a) -> int:
     lab = LocalLab(a.lab)
     r = record_of(lab, a.name)
     st, spec = r.get("status") or {}, r.get("spec") or {}
-    out = [f"Name:         {a.name}", f"Lab:          {spec.get('lab', 'default')}",
-           f"Campaign:     {spec.get('campaign', '')}", f"Hypothesis:   {spec.get('hypothesis')}",
-           f"Parent:       {spec.get('parent')}", f"Phase:        {st.get('phase')}",
-           f"Outcome:      {st.get('outcome', '')}", f"Reason:       {st.get('reason', '')}",
-           f"Message:      {st.get('message', '')}"]
+    def field(label: str, value: object) -> str:  # a space after the colon, however long
+        return f"{label + ':':<15} {'' if value is None else value}".rstrip()
+
+    out = [field("Name", a.name), field("Lab", spec.get("lab", "default")),
+           field("Campaign", spec.get("campaign", "")), field("Hypothesis", spec.get("hypothesis")),
+           field("Parent", spec.get("parent")), field("Phase", st.get("phase", "Pending")),
+           field("Outcome", st.get("outcome", "")), field("Reason", st.get("reason", "")),
+           field("Message", st.get("message", ""))]
     for k in ("candidateHash", "semanticHash", "parentHash", "rebasedFrom", "duplicateOf",
               "commit", "delta", "masterValBpb"):
         if st.get(k) is not None:
-            out.append(f"{k + ':':<14}{st[k]}")
+            shown = number(st[k], signed=k == "delta") if k in ("delta", "masterValBpb") \
+                else st[k]
+            out.append(field(k, shown))
     if st.get("job"):
-        out.append(f"Run:          {json.dumps(st['job'])}")
+        out.append(field("Run", json.dumps(st["job"])))
     if st.get("metrics"):
         out.append("Metrics:")
         out += [f"  {k}: {v}" for k, v in st["metrics"].items()]
@@ -474,7 +479,8 @@ def cmd_ledger(a) -> int:
     head = ["RUN_ID", "STATUS", "EXPERIMENT", "CAMPAIGN", "VAL_BPB", "DELTA", "PROMOTED",
             "CANDIDATE", "COMMENT"]
     print_table(head, [[r.get("run_id", ""), r.get("status", ""), r.get("experiment_id", ""),
-                        r.get("campaign", ""), r.get("val_bpb", ""), r.get("delta", ""),
+                        r.get("campaign", ""), number(r.get("val_bpb", "")),
+                        number(r.get("delta", ""), signed=True),
                         r.get("promoted", ""), r.get("candidate_hash", "")[:12],
                         r.get("comment", "")[:70]] for r in rows])
     return 0
@@ -487,7 +493,9 @@ def cmd_master(a) -> int:
         print(json.dumps(d, indent=2))
         return 0
     print(f"master:     {d['hash']}")
-    print(f"val_bpb:    {d.get('val_bpb')}")
+    v = d.get("val_bpb")
+    print("val_bpb:    " + (number(v) if v is not None
+                             else "not measured yet (`autolab run` measures it first)"))
     print(f"experiment: {d.get('experiment') or '(seed)'}")
     print(f"commit:     {d['commit']}")
     print(f"promotions: {len(d.get('history', [])) - 1}")

@@ -53,6 +53,18 @@ def _fmt(v, nd=6) -> str:
     return "" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
+def number(text: object, nd: int = 6, signed: bool = False) -> str:
+    """A metric as people read it: `0.963412`, a delta `-0.012300`; text that is not a number
+    (an empty cell) as it is."""
+    try:
+        v = float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "" if text is None else str(text)
+    if v != v:
+        return "nan"
+    return f"{v:+.{nd}f}" if signed else f"{v:.{nd}f}"
+
+
 def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
     if wide:
@@ -67,7 +79,7 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
                 spec.get("campaign", ""), _age(st.get("createdAt"))]
         if wide:
             line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
-                     (st.get("message") or "").split("\n")[0][:100]]
+                     (st.get("message") or "").split("\n")[0]]  # whole: wide is for reading
         out.append(line)
     return head, out
 
