@@ -212,3 +212,9 @@ def test_a_project_tracked_before_outcome_names_is_not_tracked_twice(lab):
     finished(lab, "new", 0.99, None)
     assert tracking.sync(lab.root, lab.name)
     assert set(read_back(lab)) == {"old", "new · rejected"}
+
+
+def test_the_dashboard_opens_with_the_curves_unsmoothed():
+    assert tracking.dashboard_url("http://127.0.0.1:7860/?project=autolab-x&write_token=t") == \
+        "http://127.0.0.1:7860/?project=autolab-x&write_token=t&smoothing=0"
+    assert tracking.dashboard_url("http://h/runs") == "http://h/runs?smoothing=0"

@@ -199,6 +199,12 @@ def show(lab_root: Path, lab_name: str, host: str = "127.0.0.1", port: int | Non
         return 130
 
 
+def dashboard_url(url: str) -> str:
+    """The dashboard's address with the curves unsmoothed: trackio smooths over 10 points by
+    default (`smoothing` in the query overrides it), which flattens a curve of a few dozen."""
+    return url + ("&" if "?" in url else "?") + "smoothing=0"
+
+
 def push(lab_root: Path, lab_name: str, space_id: str | None, bucket_id: str | None) -> int:
     if not space_id:
         print("error: --sync-bucket needs --sync-space (the Space that serves the bucket)",
@@ -363,8 +369,14 @@ def _main(argv: list[str] | None = None) -> int:
     if a.cmd == "push":
         trackio.sync(project_name(a.lab_name), space_id=a.space, bucket_id=a.bucket)
         return 0
-    trackio.show(project=project_name(a.lab_name), open_browser=not a.no_browser,
-                 block_thread=True, host=a.host, server_port=a.port)
+    from trackio.utils import block_main_thread_until_keyboard_interrupt
+    full_url = trackio.show(project=project_name(a.lab_name), open_browser=False,
+                            block_thread=False, host=a.host, server_port=a.port)[3]
+    print(f"* the lab's dashboard: {dashboard_url(full_url)}", flush=True)
+    if not a.no_browser:
+        import webbrowser
+        webbrowser.open(dashboard_url(full_url))
+    block_main_thread_until_keyboard_interrupt()
     return 0
 
 
