@@ -10,7 +10,7 @@ and the operator alike:
              observe: the experiment (StatusStore), its run (a backend), the
                       master (MasterOfRecord), the ledger, its worktree
              -> reconcile(World) -> Decision(status, intents, events, finalized)
-             -> write the status, emit the events, carry out the intents:
+             -> tell the events, write the status, carry out the intents:
                 materialise (checks, duplicate lookup), acquire-slot (the slot
                 book), submit / cancel (a backend), promote (compare-and-swap
                 on the master), record (one ledger row, then the research notes
@@ -345,6 +345,11 @@ class Engine:
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
                 slot = None
+            # The events of a transition go before the status that records it: a controller
+            # that dies in between makes the same transition again and tells it again (a sink
+            # that names each transition's events, as the operator's does, tells it once).
+            for event in decision.events:
+                self.events.experiment(name, event)
             if decision.status != st:
                 phase_changed = decision.status.get("phase") != st.get("phase")
                 self.statuses.write_status(name, decision.status, st)
@@ -352,8 +357,6 @@ class Engine:
                 self.book.observe(name, st, priority)
                 if phase_changed:
                     self.events.lab_changed()
-            for event in decision.events:
-                self.events.experiment(name, event)
             if not decision.intents:
                 break
             waiting = False
@@ -456,8 +459,8 @@ class Engine:
             return message
         new = with_failure(obs.status, message, utcnow())
         if new is not None:
-            self.statuses.write_status(name, new, obs.status)
             self.events.experiment(name, Event("Warning", RECONCILE_ERROR, message))
+            self.statuses.write_status(name, new, obs.status)
         return message
 
     # -- the master's baseline -------------------------------------------------------------------------
@@ -490,23 +493,23 @@ class Engine:
             self.book.release(name)
         for intent in intents:
             a = intent.args
-            if intent.kind == "submit":
-                backend.submit(self._baseline_request(m, name, a["slot"]))
-                state.state = "running"
+            if intent.kind == "submit":  # told first: once submitted, nothing asks again
                 self.events.lab(Event("Normal", "BaselineSubmitted",
                                       f"The master {m.hash[:12]} has no val_bpb yet; run {name} "
                                       "measures it first."))
+                backend.submit(self._baseline_request(m, name, a["slot"]))
+                state.state = "running"
             elif intent.kind == "record":
                 self._record(dict(a["row"], backend=self.default_backend), None, None)
             elif intent.kind == "set-master-metric":
+                self.events.lab(Event("Normal", "BaselineMeasured",
+                                      f"The master {m.hash[:12]} measures val_bpb "
+                                      f"{a['val_bpb']:.6f}; experiments may run."))
                 with self.lock:
                     self.master.set_metric(m, a["val_bpb"])
                 backend.cleanup(name)
                 self.book.release(name)
                 state = BaselineState(name, "measured")
-                self.events.lab(Event("Normal", "BaselineMeasured",
-                                      f"The master {m.hash[:12]} measures val_bpb "
-                                      f"{a['val_bpb']:.6f}; experiments may run."))
                 self.events.lab_changed()
             elif intent.kind == "resubmit-baseline":
                 self.baseline_failures[m.hash] = failures + 1

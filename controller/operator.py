@@ -21,6 +21,20 @@ master ConfigMap `<lab>-master` (the master of record, created from the lab
 repo the first time), the master's baseline run (a Job too) and the Lab's
 status, which mirrors the master and counts the runs in flight.
 
+Events are told the Kubernetes way, once per fact: each is named after what it
+tells (`<object>.<16 hex>`: the object's uid with, for an Experiment, the
+status its transition leaves and the reason; for a Lab, the reason and the
+message) and posted by the operator itself before the status that records it.
+An operator that dies in between makes the same transition again on its next
+pass and posts the same name again, which the API server refuses with 409
+AlreadyExists: the story in `kubectl describe` loses nothing and repeats
+nothing. An Event that cannot be posted fails the pass (before its status is
+written); kopf retries it.
+
+Log lines about one object carry kopf's `[namespace/name]` prefix (the
+`k8s_ref` kopf's own per-object lines carry; `configure_logging` puts kopf's
+prefixing formatter on the operator's log, as `kopf run` does).
+
 Deleting an Experiment runs the finalizer: a run in flight is cancelled (its
 Job deleted), the cancellation is recorded in the ledger, and the finalizer
 goes when the engine's pass says `finalized`. Jobs and Pods the operator creates
@@ -39,8 +53,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -65,7 +82,24 @@ LABS = (GROUP, VERSION, "labs")
 FINALIZER = f"{GROUP}/finalizer"
 MASTER_MAX_AGE = 1.0  # seconds a pass may use a copy of the master ConfigMap
 EVENT_MESSAGE_MAX = 1000
+EVENT_NAME_MAX = 253  # a DNS subdomain
+COMPONENT = "autolab-operator"  # who tells the Events (`kubectl describe`'s From)
 USER_AGENT = "autolab-operator/0.1"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """The operator's log on stderr, per-object lines prefixed `[namespace/name]` as in `kopf
+    run` (kopf's prefixing formatter reads the `k8s_ref` of kopf's lines and of ours)."""
+    import kopf
+
+    kopf.configure(verbose=verbose, log_format=LOG_FORMAT, log_prefix=True)
+
+
+def object_log(namespace: str | None, name: str, kind: str = "Experiment") -> logging.LoggerAdapter:
+    """The operator's log for lines about one object: they carry its `k8s_ref`, as kopf's do."""
+    return logging.LoggerAdapter(log, {"k8s_ref": {"kind": kind, "namespace": namespace,
+                                                   "name": name}})
 
 
 @dataclass
@@ -103,6 +137,30 @@ def _ref(obj: dict) -> dict:
                          "uid": meta.get("uid")}}
 
 
+def _stored_form(value: Any) -> Any:
+    """`value` as an API server gives it back after a merge patch: no null members (a merge
+    patch removes them), whole floats as integers (a Go server may write 1.0 as 1)."""
+    if isinstance(value, dict):
+        return {k: _stored_form(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_stored_form(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def transition_key(status: dict | None) -> str:
+    """Names the transition that leaves `status`: the same status read back names the same one."""
+    text = json.dumps(_stored_form(status or {}), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def event_name(object_name: str, *fact: str) -> str:
+    """The Event that tells `fact` about an object: `<object>.<16 hex>`, the same every time."""
+    digest = hashlib.sha256("\n".join(fact).encode()).hexdigest()[:16]
+    return f"{object_name[:EVENT_NAME_MAX - len(digest) - 1]}.{digest}"
+
+
 # --- one lab, as the cluster sees it: the engine's seams -------------------------------------------
 
 class ClusterStatuses:
@@ -112,6 +170,7 @@ class ClusterStatuses:
         self.rt = rt
         self.fresh: dict[str, dict] = {}  # an object just read by the handler: no second GET
         self.refs: dict[str, dict] = {}   # name -> what kopf needs to post Events about it
+        self.known: dict[str, dict] = {}  # name -> its status as last read or written
 
     def read(self, name: str) -> Observed | None:
         obj = self.fresh.pop(name, None) or self.rt.op.connect().get_custom(
@@ -122,6 +181,8 @@ class ClusterStatuses:
 
         meta = obj["metadata"]
         self.refs[name] = _ref(obj)
+        status = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
+        self.known[name] = status
         live = obj.get("spec") or {}
         error = None
         try:
@@ -130,9 +191,7 @@ class ClusterStatuses:
                               source=f"Experiment {self.rt.namespace}/{name}", kind="Experiment")
         except SpecError as e:
             error = str(e)
-        return Observed(name=name, key=meta.get("uid") or name, spec=live,
-                        status={k: v for k, v in (obj.get("status") or {}).items()
-                                if k != "kopf"},
+        return Observed(name=name, key=meta.get("uid") or name, spec=live, status=status,
                         generation=int(meta.get("generation", 1)),
                         deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
                         owner=owner_reference(obj) if meta.get("uid") else None)
@@ -142,6 +201,7 @@ class ClusterStatuses:
         # as null, which removes it (RFC 7386).
         patch = merge_patch(previous, status) if previous is not None else status
         self.rt.op.connect().patch_status(self.rt.namespace, "experiments", name, patch)
+        self.known[name] = status
         self.rt.op.phases[(self.rt.namespace, name)] = status.get("phase")
 
     def finalized(self, name: str) -> None:
@@ -177,7 +237,12 @@ class ClusterMaster:
 
 
 class ClusterEvents:
-    """EventSink: Kubernetes Events on the Experiment and the Lab; the Lab's status mirrored."""
+    """EventSink: Kubernetes Events on the Experiment and the Lab; the Lab's status mirrored.
+
+    An Experiment's Event is named after the transition it tells (the status it leaves,
+    which the engine has not written over yet) and its reason; a Lab's after its reason and
+    message. Telling one twice is one Event.
+    """
 
     def __init__(self, rt: "LabRuntime"):
         self.rt = rt
@@ -186,7 +251,10 @@ class ClusterEvents:
         ref = self.rt.statuses.refs.get(name) or {
             "apiVersion": API_VERSION, "kind": "Experiment",
             "metadata": {"name": name, "namespace": self.rt.namespace}}
-        self.rt.op._event(ref, event)
+        uid = ref["metadata"].get("uid") or ""
+        self.rt.op._event(ref, event, fact=(
+            uid, "transition", transition_key(self.rt.statuses.known.get(name)), event.type,
+            event.reason))
 
     def lab(self, event: Event) -> None:
         self.rt.op._event(self.rt.lab_obj, event)
@@ -221,7 +289,7 @@ class LabRuntime:
         self._master: tuple[float, MasterRecord | None] = (0.0, None)
         paths = LabPaths.of(self.root)
         if not paths.lab_file.exists():
-            log.info("creating the lab repo of %s in %s", self.name, self.root)
+            object_log(namespace, self.name, "Lab").info("creating the lab repo in %s", self.root)
             make_lab(self.root, profile=self.spec.profile, data=self.spec.data, name=self.name,
                      budget=self.spec.budget_seconds)
         self.store: MasterStore = ConfigMapMaster(op.kube, namespace, self.name,
@@ -379,8 +447,8 @@ class Operator:
                         rt.book.observe(exp["metadata"]["name"], exp.get("status") or {},
                                         _priority(spec))
                 except Exception as e:  # one malformed object must not keep the lab down
-                    log.warning("Lab %s/%s: skipping Experiment %s while counting slots: %s",
-                                namespace, lab, (exp.get("metadata") or {}).get("name"), e)
+                    object_log(namespace, str((exp.get("metadata") or {}).get("name"))).warning(
+                        "not counted in the slots of Lab %s: %s", lab, e)
             self.labs[key] = rt
             return rt
 
@@ -392,11 +460,41 @@ class Operator:
                            "spec": lab_obj.get("spec") or {}},
                           source=f"Lab {meta.get('namespace')}/{meta.get('name')}", kind="Lab")
 
-    def _event(self, obj: dict, event: Event) -> None:
-        import kopf
+    def _event(self, obj: dict, event: Event, fact: tuple[str, ...] | None = None) -> bool:
+        """Post `event` about `obj`, named after `fact` (default: the object's uid, the
+        Event's type, reason and message). False if it was posted before (409)."""
+        from kubernetes.client.exceptions import ApiException
 
-        kopf.event(_ref(obj), type=event.type, reason=event.reason,
-                   message=event.message[:EVENT_MESSAGE_MAX])
+        ref = _ref(obj)
+        meta = ref["metadata"]
+        namespace = meta.get("namespace")
+        if fact is None:
+            fact = (meta.get("uid") or "", event.type, event.reason, event.message)
+        now = utcnow()
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": event_name(meta["name"], *fact), "namespace": namespace},
+            "involvedObject": {"apiVersion": ref["apiVersion"], "kind": ref["kind"],
+                               "name": meta["name"], "namespace": namespace,
+                               **({"uid": meta["uid"]} if meta.get("uid") else {})},
+            "type": event.type, "reason": event.reason,
+            "message": event.message[:EVENT_MESSAGE_MAX],
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "reportingInstance": self._instance(),
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.connect().core.create_namespaced_event(namespace, body, _preload_content=False)
+        except ApiException as e:
+            if e.status == 409:  # told before (by this operator or one that died after it)
+                return False
+            raise
+        return True
+
+    def _instance(self) -> str:
+        posting = getattr(self.settings, "posting", None)
+        return str(getattr(posting, "reporting_instance", None) or os.environ.get("POD_ID")
+                   or socket.gethostname())[:128]
 
     # -- one pass over an Experiment -------------------------------------------------------------
     def reconcile_experiment(self, namespace: str, name: str,
@@ -422,6 +520,7 @@ class Operator:
         self.phases[key] = st.get("phase")
         if decision.finalized:
             rt.statuses.refs.pop(name, None)
+            rt.statuses.known.pop(name, None)
             self.unsettled.discard(key)
             self.phases.pop(key, None)
             self.failed.pop(key, None)
@@ -534,10 +633,11 @@ class Operator:
         if failed_at is not None and failed_at == (meta or {}).get("generation"):
             return  # failed for good at this generation: its status says why
         self._in_background("timer", self.lock(namespace, name),
-                            lambda: self._guarded(namespace, name), f"{namespace}/{name}")
+                            lambda: self._guarded(namespace, name), f"{namespace}/{name}",
+                            object_log(namespace, name))
 
     def _in_background(self, handler: str, lock: threading.Lock, fn: Callable[[], Any],
-                       what: str) -> None:
+                       what: str, olog: logging.LoggerAdapter) -> None:
         """Run a timer's pass on kopf's executor, skipped if a pass of that object is running.
 
         The timer returns at once: kopf waits for a running timer before it lets an object
@@ -564,8 +664,8 @@ class Operator:
 
                 expected = isinstance(e, (LookupError, SpecError, kopf.TemporaryError,
                                           kopf.PermanentError))
-                log.warning("resync of %s failed (the next one tries again): %s", what, e,
-                            exc_info=not expected)
+                olog.warning("resync failed (the next one tries again): %s", e,
+                             exc_info=not expected)
             finally:
                 lock.release()
         # On kopf's executor, as its sync handlers are, with its context (for posting Events).
@@ -613,11 +713,13 @@ class Operator:
             # Told without the Lab's engine: the failure may be that the Lab cannot be used.
             st = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
             new = with_failure(st, message, utcnow())
-            if new is not None:
+            if new is not None:  # the Event first, named after the transition (see _event)
+                self._event(obj, Event("Warning", RECONCILE_ERROR, message),
+                            fact=((obj.get("metadata") or {}).get("uid") or "", "transition",
+                                  transition_key(st), "Warning", RECONCILE_ERROR))
                 self.connect().patch_status(namespace, "experiments", name, new)
-                self._event(obj, Event("Warning", RECONCILE_ERROR, message))
         except Exception as e:  # telling it must not hide what failed
-            log.warning("could not tell the failure of %s/%s on it: %s", namespace, name, e)
+            object_log(namespace, name).warning("could not tell its failure on it: %s", e)
         return message
 
     def experiment_deleted(self, namespace: str, name: str, body: Any, **_: Any) -> None:
@@ -687,7 +789,8 @@ class Operator:
 
     async def lab_tick(self, namespace: str, name: str, **_: Any) -> None:
         self._in_background("lab-timer", self.lock(namespace, f"lab:{name}"),
-                            lambda: self.reconcile_lab(namespace, name), f"Lab {namespace}/{name}")
+                            lambda: self.reconcile_lab(namespace, name), f"Lab {namespace}/{name}",
+                            object_log(namespace, name, "Lab"))
 
     def shutdown(self, **_: Any) -> None:
         if self.kube is not None:

@@ -513,6 +513,11 @@ async def test_operator_entrypoints_serve_a_lab(cluster, entrypoint):
             proc.terminate()
         _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode in (0, 130), err.decode()[-2000:]
+    # Lines about one object say which, as `kopf run`'s do: kopf's own and the operator's.
+    lab_lines = [line for line in err.decode().splitlines() if f"[{NS}/default] " in line]
+    assert any("Handler 'lab-create' succeeded" in line for line in lab_lines), \
+        err.decode()[-2000:]
+    assert any("creating the lab repo" in line for line in lab_lines), err.decode()[-2000:]
 
 
 def test_repo_follows_a_master_configmap_it_has_never_seen(tmp_path):

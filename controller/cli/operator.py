@@ -9,7 +9,6 @@ into the registry that `kopf.run` is given.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -55,13 +54,12 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 def cmd_operator(a: Any) -> int:
     import kopf
 
-    from controller.operator import Operator, OperatorConfig, register
+    from controller.operator import Operator, OperatorConfig, configure_logging, register
 
     config = OperatorConfig(lab_root=Path(a.lab_dir), resync_seconds=a.resync,
                             server=a.server, run_image=a.run_image,
                             scanning=not a.no_scanning)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=a.verbose)  # kopf's [namespace/name] prefix, as `kopf run`
     registry = register(Operator(config), kopf.OperatorRegistry())
     # A peering name makes peering mandatory in kopf: name it only when there is peering.
     kopf.run(registry=registry, namespaces=[a.namespace], standalone=a.standalone,
