@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -480,6 +483,33 @@ class LocalLab:
                 out.append((d.name, experiment))
         return out
 
+    def run_progress(self, run: str) -> dict | None:
+        """How far a local run is: seconds since it started and, from the last step line the
+        training script printed (`step 00120 | ... | time 35.2/300s`), its step and training
+        seconds of its budget. For a person to watch only: the candidate writes that line, so
+        nothing is decided by it."""
+        d = self.paths.run_dir(run)
+        try:
+            launch = json.loads((d / "launch.json").read_text())
+            started = float(launch.get("startedAt"))
+        except (OSError, ValueError, TypeError):
+            return None
+        out: dict = {"elapsed": max(0.0, time.time() - started)}
+        try:
+            with open(d / "log.txt", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                tail = f.read()
+        except OSError:
+            return out
+        hits = _STEP_LINE.findall(tail)
+        if hits:
+            step, trained, budget = hits[-1]
+            trained_s, budget_s = float(trained), float(budget)
+            if math.isfinite(trained_s) and math.isfinite(budget_s):
+                out.update(step=int(step), training=trained_s, budget=budget_s)
+        return out
+
     def delete(self, name: str) -> Decision | None:
         loaded = self.load_specs()
         sf = loaded.specs.get(name)
@@ -492,6 +522,10 @@ class LocalLab:
         if name in self.names():
             return self.reconcile_one(name, deleting=True)
         return None
+
+
+_STEP_LINE = re.compile(rb"^step (\d{1,9}) \|[^\n]*\| time (\d{1,7}(?:\.\d+)?)/(\d{1,7}(?:\.\d+)?)s",
+                        re.M)
 
 
 def _spec_yaml(doc: dict) -> str:

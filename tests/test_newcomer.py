@@ -45,9 +45,10 @@ def env(tmp_path) -> dict:
     return e
 
 
-def autolab(*args: str, env: dict, cwd: Path | None = None, **kw) -> subprocess.CompletedProcess:
+def autolab(*args: str, env: dict, cwd: Path | None = None,
+            timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT, **kw)
+                          timeout=timeout)
 
 
 def master_hash(lab: Path) -> str:
@@ -503,3 +504,35 @@ def test_get_json_into_a_reader_that_hangs_up_is_quiet(lab, env):
     finally:
         p.kill()
     assert err == "" and rc in (0, 1), err
+
+
+# -- 10. progress: piped output is not silent while a run goes --------------------------------
+
+def test_piped_run_prints_transitions_and_progress_lines(tmp_path, env):
+    init_lab(tmp_path / "mylab", profile="tiny", data="synthetic", budget=4)
+    lab = tmp_path / "mylab"
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    p = autolab("run", "--unsafe-no-sandbox", "--interval", "0.3", cwd=lab,
+                env={**env, "AUTOLAB_PROGRESS_SECONDS": "1"}, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "the master has no val_bpb yet: measuring its baseline first" in out
+    assert re.search(r"^baseline-\S+: Running$", out, re.M), out
+    assert re.search(r"^(baseline-\S+|warmdown-03): Running, \d+s elapsed", out, re.M), out
+    assert re.search(r"^the master's baseline: val_bpb=\d+\.\d{6}$", out, re.M), out
+    assert re.search(r"^warmdown-03: Succeeded (Promoted|Rejected) val_bpb=", out, re.M), out
+
+
+def test_the_progress_of_a_run_comes_from_its_step_lines(lab):
+    import json
+    import time
+    from controller.cli.lab import _progress_cells
+    from controller.local import LocalLab
+    d = lab / ".autolab" / "runs" / "exp-x-1"
+    d.mkdir(parents=True)
+    (d / "launch.json").write_text(json.dumps({"pid": 1, "startedAt": time.time() - 75}))
+    (d / "log.txt").write_text("[bench] running candidate\nstep 00001 | loss 6.9 | lr x1.00 | "
+                               "time 0.5/300s\nstep 00120 | loss 4.1 | tok/s 1 | mfu 0.0% | "
+                               "lr x1.00 | time 35.2/300s\n")
+    assert _progress_cells(LocalLab(lab).run_progress("exp-x-1")) == ["1m15s", "120", "~4m25s"]

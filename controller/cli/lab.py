@@ -109,36 +109,106 @@ def cmd_apply(a) -> int:
     return 1 if refused else 0
 
 
-class Progress:
-    """Shows the lab while `run` loops: a live table on a terminal, transitions otherwise."""
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else (f"{s // 60}m{s % 60:02d}s" if s < 3600
+                                   else f"{s // 3600}h{s % 3600 // 60:02d}m")
 
-    def __init__(self, quiet: bool = False):
+
+def _progress_cells(p: dict | None) -> list[str]:
+    """ELAPSED, STEP and ETA (training seconds left of the budget) of a run, as far as known."""
+    if not p:
+        return ["", "", ""]
+    eta = ""
+    if p.get("budget") is not None:
+        eta = "~" + _duration(max(0.0, p["budget"] - p["training"]))
+    return [_duration(p.get("elapsed")), str(p.get("step", "")), eta]
+
+
+class Progress:
+    """Shows the lab while `run` loops: a live table on a terminal; otherwise (a pipe, a log)
+    one line per transition and, for each run in flight, a progress line every `every` seconds
+    (AUTOLAB_PROGRESS_SECONDS, default 30), the master's baseline included."""
+
+    IN_FLIGHT = ("Running", "Confirming")
+
+    def __init__(self, lab: LocalLab | None = None, quiet: bool = False,
+                 every: float | None = None):
+        self.lab = lab
         self.live = None
         self.seen: dict[str, tuple] = {}
         self.quiet = quiet
+        self.every = every if every is not None else float(
+            os.environ.get("AUTOLAB_PROGRESS_SECONDS") or 30)
+        self.told: dict[str, float] = {}  # run -> when its last progress line went out
+        self.extra_seen: set[str] = set()
+        self.baseline_pending: bool | None = None
         if sys.stdout.isatty() and not quiet:
             from rich.live import Live
             self.live = Live(auto_refresh=False)
             self.live.start()
 
+    def _progress(self, run: str | None) -> dict | None:
+        if self.lab is None or not run:
+            return None
+        try:
+            return self.lab.run_progress(run)
+        except OSError:
+            return None
+
+    def _runs(self, summary) -> list[tuple[str, str, str | None]]:
+        """(label, phase, local run) of every row, and of runs no experiment owns (the master's
+        baseline and noise runs) as extra rows."""
+        out = []
+        owned = set()
+        for name, st, _ in summary.rows:
+            job = st.get("job") or {}
+            run = job.get("name") if job.get("backend") == "local" else None
+            owned.add(job.get("name"))
+            out.append((name, st.get("phase", "Pending"), run))
+        if self.lab is not None:
+            try:
+                flying = self.lab.runs_in_flight()
+            except OSError:
+                flying = []
+            out += [(run, "Running", run) for run, _ in flying if run not in owned]
+        return out
+
     def update(self, summary) -> None:
         if self.live is not None:
-            from rich.table import Table
-            head, rows = table_rows(summary.rows)
-            head, rows = head[:6], [r[:6] for r in rows]  # what a run needs; `get` shows the rest
-            t = Table(title="autolab run" + (" — measuring the master's baseline"
-                                             if summary.baseline_pending else ""))
-            for i, h in enumerate(head):  # names, phases and numbers never shrink; the rest may
-                keep = h in ("NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT")
-                widest = max([len(h)] + [len(r[i]) for r in rows])
-                t.add_column(h, no_wrap=True, min_width=widest if keep else None,
-                             overflow="ellipsis")
-            for r in rows:
-                t.add_row(*r)
-            self.live.update(t, refresh=True)
-            return
-        if self.quiet:
-            return
+            self._table(summary)
+        elif not self.quiet:
+            self._lines(summary)
+
+    def _table(self, summary) -> None:
+        from rich.table import Table
+        head, rows = table_rows(summary.rows)
+        head, rows = head[:6], [r[:6] for r in rows]  # what a run needs; `get` shows the rest
+        runs = self._runs(summary)
+        rows += [[label, phase, "", "", "", ""] for label, phase, _ in runs[len(rows):]]
+        head += ["ELAPSED", "STEP", "ETA"]
+        rows = [r + (_progress_cells(self._progress(run)) if phase in self.IN_FLIGHT
+                     else ["", "", ""]) for r, (_, phase, run) in zip(rows, runs)]
+        t = Table(title="autolab run" + (" — measuring the master's baseline"
+                                         if summary.baseline_pending else ""))
+        for i, h in enumerate(head):  # names, phases and numbers never shrink; the rest may
+            keep = h not in ("CAMPAIGN",)
+            widest = max([len(h)] + [len(r[i]) for r in rows])
+            t.add_column(h, no_wrap=True, min_width=widest if keep else None,
+                         overflow="ellipsis")
+        for r in rows:
+            t.add_row(*r)
+        self.live.update(t, refresh=True)
+
+    def _lines(self, summary) -> None:
+        if self.baseline_pending is None and summary.baseline_pending:
+            print("the master has no val_bpb yet: measuring its baseline first", flush=True)
+        elif self.baseline_pending and not summary.baseline_pending and self.lab is not None:
+            v = self.lab.repo.master().val_bpb
+            print(f"the master's baseline: val_bpb={number(v)}", flush=True)
+        self.baseline_pending = summary.baseline_pending
         for name, st, _ in summary.rows:
             key = (st.get("phase"), st.get("outcome"), (st.get("job") or {}).get("slot"))
             if self.seen.get(name) != key:
@@ -148,15 +218,34 @@ class Progress:
                 val = (st.get("metrics") or {}).get("val_bpb")
                 res = f" val_bpb={val:.6f}" if val is not None else ""
                 print(f"{name}: {key[0]}{' ' + key[1] if key[1] else ''}{extra}{res}", flush=True)
+        now = time.monotonic()
+        for label, phase, run in self._runs(summary):
+            if phase not in self.IN_FLIGHT or not run:
+                continue
+            if label == run and run not in self.extra_seen:  # a baseline or noise run
+                self.extra_seen.add(run)
+                print(f"{run}: Running", flush=True)
+                self.told[run] = now
+                continue
+            if now - self.told.setdefault(run, now) < self.every:
+                continue
+            self.told[run] = now
+            elapsed, step, eta = _progress_cells(self._progress(run))
+            if not elapsed:
+                continue
+            facts = [f"{elapsed} elapsed"] + ([f"step {step}"] if step else []) \
+                + ([f"{eta} of training left"] if eta else [])
+            print(f"{label}: {phase}, {', '.join(facts)}", flush=True)
 
     def stop(self) -> None:
         if self.live is not None:
             self.live.stop()
+            self.live = None
 
 
 def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: bool = False,
              timeout: float | None = None) -> int:
-    progress = Progress(quiet=quiet)
+    progress = Progress(lab, quiet=quiet)
     shown_errors: set[str] = set()
     started = time.time()
     try:
