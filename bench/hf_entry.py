@@ -34,6 +34,17 @@ key away from it is the whole point:
    comes back as a Python object, never through a file the candidate could
    overwrite, and is signed and printed here.
 
+The step curve. A local run's Trackio curve is the JSONL file the harness
+keeps (`report_step` -> `$AUTOLAB_CURVE_PATH` -> validated by run.py). The
+job's files do not come back, so after the run stage two prints that curve as
+`AUTOLAB_SIGNED_CURVE curve-v1 <payload> <hmac>` lines (the run's name, part
+i of n, at most CURVE_POINTS_PER_LINE points each, at most CURVE_MAX_POINTS in
+all, evenly thinned past that), signed under the same key with their own
+version tag so no curve line can pass for a result line, and printed before
+the result line, when the candidate is dead. The curve is informational: the
+controller keeps the points of verified lines only, checks every number, and
+never reads a metric from it.
+
 The sandbox (`run.py --sandbox isolated`): bubblewrap where it can make its
 namespaces here (`sandbox.available()`); else, when the job runs as root
 (jobs usually do), the candidate runs as the dedicated uid
@@ -69,6 +80,7 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -81,6 +93,12 @@ BENCH_DIR = Path(__file__).resolve().parent
 KEY_ENV = "AUTOLAB_RESULT_KEY"
 SIGNED_MARKER = "AUTOLAB_SIGNED_RESULT"
 SIGNATURE_VERSION = "v1"
+CURVE_MARKER = "AUTOLAB_SIGNED_CURVE"
+CURVE_VERSION = "curve-v1"
+CURVE_POINTS_PER_LINE = 50   # a line stays a few KiB
+CURVE_MAX_POINTS = 5000      # the controller keeps no more (controller/backends/hf.py)
+CURVE_FILE_LIMIT = 2**20     # run.py keeps at most this much of the candidate's curve
+CURVE_KEYS = ("step", "loss", "tokens_per_sec", "time")
 # Never handed to the candidate, the installer or the harness of a run.
 SECRET_ENV = (KEY_ENV, "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AUTOLAB_BUNDLE")
 EXIT_HARNESS_ERROR = 4
@@ -97,6 +115,46 @@ def sign_result(key: bytes, run: str, compact_result: str) -> str:
     b64 = base64.urlsafe_b64encode(payload.encode()).decode()
     mac = hmac.new(key, f"{SIGNATURE_VERSION} {b64}".encode(), hashlib.sha256).hexdigest()
     return f"{SIGNED_MARKER} {SIGNATURE_VERSION} {b64} {mac}"
+
+
+def _signed(marker: str, version: str, key: bytes, payload: dict) -> str:
+    b64 = base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":"),
+                                              sort_keys=True).encode()).decode()
+    mac = hmac.new(key, f"{version} {b64}".encode(), hashlib.sha256).hexdigest()
+    return f"{marker} {version} {b64} {mac}"
+
+
+def sign_curve(key: bytes, run: str, points: list[dict]) -> list[str]:
+    """The step curve as signed log lines: part i of n, CURVE_POINTS_PER_LINE points each."""
+    if len(points) > CURVE_MAX_POINTS:  # thin evenly, keep the last point
+        stride = math.ceil(len(points) / CURVE_MAX_POINTS)
+        points = points[::stride][:CURVE_MAX_POINTS - 1] + points[-1:]
+    chunks = [points[i:i + CURVE_POINTS_PER_LINE]
+              for i in range(0, len(points), CURVE_POINTS_PER_LINE)]
+    return [_signed(CURVE_MARKER, CURVE_VERSION, key,
+                    {"run": run, "part": i, "parts": len(chunks), "points": chunk})
+            for i, chunk in enumerate(chunks)]
+
+
+def harness_curve(result: dict) -> list[dict]:
+    """The curve the harness kept for this run (already checked by run.py), as points."""
+    path = result.get("curve")
+    if not isinstance(path, str) or not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CURVE_FILE_LIMIT + 1)
+    except OSError:
+        return []
+    points = []
+    for text in raw[:CURVE_FILE_LIMIT].decode("utf-8", "replace").splitlines():
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and isinstance(d.get("step"), int):
+            points.append({k: d[k] for k in CURVE_KEYS if isinstance(d.get(k), (int, float))})
+    return points
 
 
 # --- stage one: secrets out of the environment, dependencies in ------------------------------
@@ -234,6 +292,13 @@ def stage_two(args: argparse.Namespace) -> int:
     result = harness.run_candidate(BENCH_DIR / "train.py", out / "result.json", source=args.source,
                                    budget=args.budget, termination_log="",
                                    sandbox_request=SANDBOX_REQUEST, run=args.run, seed=args.seed)
+    try:  # informational: a curve that cannot be read must not cost the result
+        curve = sign_curve(key, args.run, harness_curve(result))
+    except Exception as e:  # noqa: BLE001
+        _log(f"the step curve could not be sent ({type(e).__name__}); the result stands")
+        curve = []
+    for line in curve:
+        print(line, flush=True)
     print(sign_result(key, args.run, harness.compact(result)), flush=True)
     return harness.EXIT_CODES.get(result.get("status"), EXIT_HARNESS_ERROR)
 

@@ -7,22 +7,36 @@ It serves the endpoints `HfApi` calls (checked against huggingface_hub
 (server-sent events, `data: {"timestamp", "data"}`), `POST
 /api/jobs/{ns}/{id}/cancel`, `GET /api/jobs/hardware` and `GET
 /api/buckets/{ns}/{name}`. Every request must carry the expected bearer
-token; every request is recorded for the tests to inspect.
+token; every request is recorded for the tests to inspect, and `calls()`
+counts them per endpoint (what a run costs in API calls).
+
+Like the real service it is strict where a client can misbehave: the log
+endpoint streams live while the job runs (a `: keep-alive` comment every
+`keepalive_seconds`, closed once the job has ended), so a client that follows
+it opens one stream per job; `min_inspect_interval` answers an inspection of a
+job that comes sooner than that after the last one with 429 and a
+`Retry-After` (seconds, or an HTTP date with `retry_after_as_date`);
+`throttle(n, seconds)` answers the next n calls so; `forbid(namespace)`
+answers 403 for a namespace the token may not use; `stall_logs(job)` holds a
+job's log stream open and silent (no line, no keep-alive) until
+`unstall_logs(job)`, as a stuck proxy would. Its clock (`clock`) may be a
+test's, shared with the backend, so rate limits hold in simulated time.
 
 A created job is in SCHEDULING; the first inspection after `schedule_polls`
 starts it. By default it then really runs: the job's command is executed on
 this machine, `python3` standing for this interpreter, with only the job's
 environment and secrets (plus PATH and HOME, as a container would have), and
 bucket volumes "mounted" by rewriting their mount path to a local directory
-in the command and environment. Its output becomes the job's log; its exit
-code decides COMPLETED or ERROR. A test may instead script the next job
-(`script_next`): an ending stage and message, log lines, or a hold in
-RUNNING until cancelled.
+in the command and environment. Its output becomes the job's log; when it
+exits, its exit code decides COMPLETED or ERROR. A test may instead script the
+next job (`script_next`): an ending stage and message, log lines, or a hold in
+RUNNING until cancelled or `finish`ed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import email.utils
 import json
 import os
 import re
@@ -31,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -51,6 +66,25 @@ HARDWARE = [
 ]
 
 
+TERMINAL = ("COMPLETED", "ERROR", "CANCELED", "DELETED")
+
+
+def endpoint_kind(method: str, path: str) -> str:
+    """The API call a request is: whoami, hardware, bucket, create, list, inspect, logs, cancel."""
+    if path == "/api/whoami-v2":
+        return "whoami"
+    if path == "/api/jobs/hardware":
+        return "hardware"
+    if path.startswith("/api/buckets/"):
+        return "bucket"
+    m = re.fullmatch(r"/api/jobs/([^/]+)(?:/([^/]+))?(?:/(logs|cancel))?", path)
+    if not m:
+        return "other"
+    if m[2] is None:
+        return "create" if method == "POST" else "list"
+    return m[3] or "inspect"
+
+
 def _stamp(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -62,8 +96,9 @@ class Script:
     stage: str = "COMPLETED"          # the stage it ends in (ignored when hold=True)
     message: str | None = None
     logs: list[str] | Callable[["FakeJob"], list[str]] = field(default_factory=list)
-    hold: bool = False                # stay RUNNING until cancelled
+    hold: bool = False                # stay RUNNING until cancelled or finished
     running_polls: int = 1            # inspections in RUNNING before it ends
+    stall_logs: bool = False          # its log stream stalls from the start
 
 
 @dataclass
@@ -79,6 +114,8 @@ class FakeJob:
     script: Script | None = None
     proc: subprocess.Popen | None = None
     cancelled: bool = False
+    stalled: bool = False             # the log stream says nothing until unstalled
+    last_inspect: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def info(self, owner: str) -> dict:
@@ -107,6 +144,15 @@ class FakeJobsServer:
         self.scripts: list[Script] = []
         self.extra_env: dict[str, str] = {}
         self.work_dir = work_dir
+        self.clock: Callable[[], float] = time.time
+        self.keepalive_seconds = 30.0       # the real service's interval
+        self.min_inspect_interval: float | None = None
+        self.retry_after_seconds = 5
+        self.retry_after_as_date = False
+        self.forbidden: dict[str, str] = {}  # namespace -> the server's message
+        self.throttled: list[dict] = []     # the requests answered 429
+        self._throttle: list[int] = []      # Retry-After seconds of the next forced 429s
+        self._stopping = threading.Event()
         self._n = 0
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -120,6 +166,7 @@ class FakeJobsServer:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()  # streams close
         for job in self.jobs.values():
             if job.proc and job.proc.poll() is None:
                 os.killpg(job.proc.pid, signal.SIGKILL)
@@ -138,6 +185,36 @@ class FakeJobsServer:
     def created(self) -> list[FakeJob]:
         return sorted(self.jobs.values(), key=lambda j: j.created)
 
+    def calls(self) -> Counter:
+        """API calls so far, per endpoint kind (see endpoint_kind)."""
+        return Counter(r["kind"] for r in self.requests)
+
+    def throttle(self, n: int = 1, seconds: int = 5) -> None:
+        """Answer the next n API calls with 429 and `Retry-After: seconds`."""
+        self._throttle.extend([seconds] * n)
+
+    def forbid(self, namespace: str, message: str | None = None) -> None:
+        self.forbidden[namespace] = message or (f"You don't have the rights to run jobs in the "
+                                                f"namespace {namespace}")
+
+    def stall_logs(self, job: FakeJob) -> None:
+        job.stalled = True
+
+    def unstall_logs(self, job: FakeJob) -> None:
+        job.stalled = False
+
+    def log(self, job: FakeJob, line: str) -> None:
+        """A line the running job prints now."""
+        self._log(job, line)
+
+    def finish(self, job: FakeJob, stage: str = "COMPLETED", message: str | None = None,
+               logs: list[str] | None = None) -> None:
+        """End a held job: its last lines, then its stage."""
+        with job.lock:
+            for line in logs or []:
+                self._log(job, line)
+            job.stage, job.message = stage, message
+
     def hits(self, method: str, pattern: str) -> list[dict]:
         return [r for r in self.requests if r["method"] == method
                 and re.fullmatch(pattern, r["path"])]
@@ -146,7 +223,7 @@ class FakeJobsServer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             self._advance(job)
-            if job.stage in ("COMPLETED", "ERROR", "CANCELED", "DELETED"):
+            if job.stage in TERMINAL:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"job {job.id} still {job.stage} after {timeout}s")
@@ -168,12 +245,6 @@ class FakeJobsServer:
             elif job.stage == "RUNNING" and job.script is not None and not job.script.hold:
                 if job.polls >= job.script.running_polls:
                     job.stage, job.message = job.script.stage, job.script.message
-            elif job.stage == "RUNNING" and job.proc is not None and job.proc.poll() is not None:
-                job.proc.wait()
-                time.sleep(0.05)  # let the reader thread drain the last lines
-                rc = job.proc.returncode
-                job.stage = "COMPLETED" if rc == 0 else "ERROR"
-                job.message = None if rc == 0 else f"Job failed with exit code: {rc}"
 
     def _log(self, job: FakeJob, line: str) -> None:
         job.logs.append((time.time(), line))
@@ -203,6 +274,11 @@ class FakeJobsServer:
             for raw in iter(job.proc.stdout.readline, b""):
                 self._log(job, raw.decode("utf-8", "replace").rstrip("\n"))
             job.proc.stdout.close()
+            rc = job.proc.wait()
+            with job.lock:  # the job ends when its process does, not when someone looks
+                if job.stage == "RUNNING":
+                    job.stage = "COMPLETED" if rc == 0 else "ERROR"
+                    job.message = None if rc == 0 else f"Job failed with exit code: {rc}"
 
         threading.Thread(target=pump, daemon=True).start()
 
@@ -221,6 +297,7 @@ class FakeJobsServer:
                           created=time.time())
             if self.scripts:
                 job.script = self.scripts.pop(0)
+                job.stalled = job.script.stall_logs
             self.jobs[job.id] = job
         return job
 
@@ -250,11 +327,14 @@ class FakeJobsServer:
                     n = int(self.headers.get("Content-Length") or 0)
                     raw = self.rfile.read(n) if n else b""
                     body = json.loads(raw) if raw else None
-                server.requests.append({"method": method, "path": parts.path, "query": query,
-                                        "body": body,
-                                        "authorization": self.headers.get("Authorization")})
+                request = {"method": method, "path": parts.path, "query": query, "body": body,
+                           "authorization": self.headers.get("Authorization"),
+                           "kind": endpoint_kind(method, parts.path), "at": server.clock()}
+                server.requests.append(request)
                 if self.headers.get("Authorization") != f"Bearer {server.token}":
                     return self._json(401, {"error": "Invalid credentials in Authorization header"})
+                if server._throttle:
+                    return self._too_many(request, server._throttle.pop(0))
                 path = parts.path
                 if path == "/api/whoami-v2":
                     return self._json(200, {"type": "user", "name": server.user,
@@ -278,6 +358,8 @@ class FakeJobsServer:
                 if not m:
                     return self._json(404, {"error": f"no route {method} {path}"})
                 ns, job_id, action = m.groups()
+                if ns in server.forbidden:
+                    return self._json(403, {"error": server.forbidden[ns]})
                 if job_id is None:
                     if method == "POST":
                         job = server._create(ns, body or {})
@@ -296,18 +378,54 @@ class FakeJobsServer:
                     return self._json(200, {})
                 if action == "logs":
                     return self._logs(job)
+                now = server.clock()
+                if server.min_inspect_interval is not None and job.last_inspect is not None \
+                        and now - job.last_inspect < server.min_inspect_interval:
+                    return self._too_many(request, server.retry_after_seconds)
+                job.last_inspect = now
                 server._advance(job)
                 return self._json(200, job.info(server.user))
 
+            def _too_many(self, request: dict, seconds: int) -> None:
+                server.throttled.append(request)
+                after = str(seconds) if not server.retry_after_as_date else \
+                    email.utils.formatdate(server.clock() + seconds, usegmt=True)
+                return self._json(429, {"error": "Too many requests, slow down"},
+                                  {"Retry-After": after})
+
             def _logs(self, job: FakeJob) -> None:
+                """Server-sent events: the log so far, then each new line as it comes, until the
+                job has ended (a keep-alive comment now and then while it is quiet)."""
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                for t, line in list(job.logs):
-                    event = {"timestamp": _stamp(t), "data": line}
-                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-                self.wfile.flush()
+                sent, quiet_since = 0, time.monotonic()
+                try:
+                    while not server._stopping.is_set():
+                        if job.stalled:
+                            time.sleep(0.02)
+                            continue
+                        if job.stage == "SCHEDULING":  # a job starts whether or not it is
+                            server._advance(job)       # inspected (here: when looked at)
+                        ended = job.stage in TERMINAL  # read before the lines: none is lost
+                        lines = job.logs[sent:]
+                        for t, line in lines:
+                            event = {"timestamp": _stamp(t), "data": line}
+                            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                        sent += len(lines)
+                        if lines:
+                            self.wfile.flush()
+                            quiet_since = time.monotonic()
+                        if ended:
+                            break
+                        if time.monotonic() - quiet_since >= server.keepalive_seconds:
+                            self.wfile.write(b": keep-alive\n\n")
+                            self.wfile.flush()
+                            quiet_since = time.monotonic()
+                        time.sleep(0.02)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client went away
 
             def do_GET(self) -> None:
                 self._route("GET")
@@ -364,3 +482,10 @@ def genuine_result(job: FakeJob, val_bpb: float) -> list[str]:
     import hashlib
     sha1 = hashlib.sha1(shipped_files(job)["bench/train.py"]).hexdigest()
     return ["[bench] training...", signed_line(job, harness_result(val_bpb, sha1))]
+
+
+def signed_curve(job: FakeJob, points: list[dict], key: str | None = None) -> list[str]:
+    """The step-curve lines bench/hf_entry.py prints, signed with the job's key (or `key`)."""
+    entry = _entry_module()
+    key = key if key is not None else job.spec["secrets"]["AUTOLAB_RESULT_KEY"]
+    return entry.sign_curve(key.encode(), job.spec["labels"]["autolab-run"], points)

@@ -23,7 +23,7 @@ from controller.cli.lab import init_lab
 from controller.core.spec import API_VERSION
 from controller.local import LocalLab
 from hf_server import FakeJobsServer, Script, genuine_result, harness_result, shipped_files, \
-    signed_line
+    signed_curve, signed_line
 
 TOKEN = "hf_TESTtokenNeverToBeSeen0123456789"
 MASTER_VAL = 2.5
@@ -38,8 +38,16 @@ def server(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("AUTOLAB_GPUS", "0,1")
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")  # Trackio is tested on its own
+    fast_watch(monkeypatch)
     yield srv
     srv.stop()
+
+
+def fast_watch(monkeypatch) -> None:
+    """The backend's waits scaled down for a loop that steps every 50 ms (real time)."""
+    monkeypatch.setattr(HfBackend, "poll_min_seconds", 0.05)
+    monkeypatch.setattr(HfBackend, "poll_max_seconds", 0.2)
+    monkeypatch.setattr(HfBackend, "log_retry_seconds", 0.2)
 
 
 def make_lab(root: Path, hf: dict | None = None, data: str = "synthetic") -> LocalLab:
@@ -309,3 +317,176 @@ def test_an_hf_lab_runs_gpu_slots_jobs_at_once_whatever_gpus_this_machine_has(
                if not lab.read_record(f"lr-{i}")["status"].get("job")]
     assert len(waiting) == 1 and any(c["reason"] == "WaitingForSlot"
                                      for c in waiting[0]["conditions"])
+
+
+# --- issue 13: the backend against a service that behaves like the real one ---------------------
+
+class FakeClock:
+    """Simulated seconds, shared by the backend and the stand-in service."""
+
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def curve(n: int, start: int = 0) -> list[dict]:
+    return [{"step": s, "loss": 5.0 - s / 1000, "tokens_per_sec": 1000.0 + s, "time": 100.0 + s}
+            for s in range(start, start + n)]
+
+
+def test_an_hf_run_brings_its_step_curve_back_where_trackio_reads_it(server, tmp_path):
+    from controller.lab import tracking
+    lab = make_lab(tmp_path / "lab")
+    apply(lab, "curvy")
+    points = curve(120)
+    server.script_next(Script(stage="COMPLETED", logs=lambda job: [
+        # The candidate prints into the same log: forged, broken and oversized curve lines.
+        *signed_curve(job, curve(7, start=900), key="f" * 64),
+        "AUTOLAB_SIGNED_CURVE curve-v1 not-base64!! " + "0" * 64,
+        "AUTOLAB_SIGNED_CURVE curve-v1 " + "A" * 200_000 + " " + "0" * 64,
+        *["AUTOLAB_SIGNED_CURVE junk"] * 3000,
+        # The entry point's, after the candidate is dead.
+        *signed_curve(job, points), *genuine_result(job, 2.3)]))
+    step_until(lab, lambda: phase(lab, "curvy") == "Succeeded")
+    run_dir = lab.root / ".autolab" / "runs" / "exp-curvy-1"
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["metrics"]["val_bpb"] == 2.3 and result["curve"] == str(run_dir / "curve.jsonl")
+    got = tracking.curve_points(lab.root, "exp-curvy-1", result)
+    assert [s for s, _ in got] == list(range(120))
+    assert got[5][1]["loss"] == pytest.approx(4.995) and got[5][1]["tokens_per_sec"] == 1005.0
+    log = (run_dir / "log.txt").read_text()
+    assert len(log) < 2_000_000  # the 200 kB line is cut in log.txt
+
+
+def test_the_controller_keeps_only_checked_numbers_of_a_curve_however_it_was_signed(tmp_path):
+    """Even signed, a curve is informational: every number is checked, its size is bounded."""
+    from controller.backends.hf import MAX_CURVE_POINTS, verify_signed_curve
+    from hf_server import _entry_module
+    entry, key = _entry_module(), b"k" * 64
+    bad = [{"step": 1, "loss": float("nan")}, {"step": True, "loss": 1.0},
+           {"step": -1, "loss": 1.0}, {"step": 2, "loss": "1.0"}, {"step": 2.5, "loss": 1.0},
+           {"step": 3, "loss": float("inf"), "tokens_per_sec": 9.0}, "not a point",
+           {"step": 4, "loss": 1.5, "extra": "x" * 100}]
+    lines = entry.sign_curve(key, "exp-x-1", bad)
+    assert verify_signed_curve(lines, key, "exp-x-1") == [{"step": 3, "tokens_per_sec": 9.0},
+                                                          {"step": 4, "loss": 1.5}]
+    assert verify_signed_curve(lines, key, "exp-other-1") == []  # another run's curve
+    assert verify_signed_curve(lines, b"x" * 64, "exp-x-1") == []  # another key
+    many = entry.sign_curve(key, "exp-x-1", curve(3 * MAX_CURVE_POINTS))
+    assert len(verify_signed_curve(many, key, "exp-x-1")) == MAX_CURVE_POINTS
+
+
+def test_a_stalled_log_stream_is_an_infrastructure_error_and_never_holds_up_the_loop(server,
+                                                                                   tmp_path):
+    lab = make_lab(tmp_path / "lab")
+    backend = lab.backend_for("hf")
+    backend.log_stall_seconds, backend.result_grace_seconds = 0.5, 1.0
+    apply(lab, "stalled")
+    server.script_next(Script(stage="COMPLETED", running_polls=2, stall_logs=True,
+                              logs=lambda job: genuine_result(job, 2.2)))
+    slowest = 0.0
+
+    def done() -> bool:
+        return phase(lab, "stalled") == "Failed"
+    deadline = time.time() + 30
+    while not done() and time.time() < deadline:
+        t0 = time.time()
+        lab.step()
+        slowest = max(slowest, time.time() - t0)
+        time.sleep(0.05)
+    st = lab.read_record("stalled")["status"]
+    assert st["phase"] == "Failed", st
+    assert slowest < 1.5, f"a pass took {slowest:.1f} s: a stalled stream held up the loop"
+    assert st["reason"] == "InfrastructureError"
+    assert "stalled" in st["message"] and "may run again" in st["message"]
+    assert ledger_row(lab, "stalled")["status"] == "error"  # not a measurement of the candidate
+    assert st.get("metrics") is None and lab.repo.master().val_bpb == MASTER_VAL
+    # The same candidate may run again, and this time its result comes back.
+    server.script_next(Script(stage="COMPLETED", logs=lambda job: genuine_result(job, 2.2)))
+    apply(lab, "stalled-again")
+    step_until(lab, lambda: phase(lab, "stalled-again") == "Succeeded")
+
+
+def run_for(lab: LocalLab, server: FakeJobsServer, clock: FakeClock, name: str,
+            seconds: float = 600, throttle_at: float | None = None) -> dict:
+    """Step the loop once per simulated second while the job trains for `seconds`, printing a
+    line every 10 s; then it ends with its signed result. Returns facts about the run."""
+    server.script_next(Script(hold=True))
+    apply(lab, name)
+    start, job, ended = clock.t, None, None
+    facts: dict = {"throttled_at": None}
+    while clock.t - start < seconds + 120:
+        clock.t += 1.0
+        lab.step()
+        job = job or (server.created() or [None])[-1]
+        if job is not None and job.stage == "RUNNING":
+            if throttle_at is not None and facts["throttled_at"] is None \
+                    and clock.t - start >= throttle_at:
+                server.throttle(1, seconds=30)
+                facts["throttled_at"] = clock.t
+            if int(clock.t - start) % 10 == 0:
+                server.log(job, f"step {int(clock.t - start)} loss 3.1")
+            if clock.t - start >= seconds and ended is None:
+                server.finish(job, logs=genuine_result(job, 2.1))
+                ended = clock.t
+        time.sleep(0.005)  # the log thread takes its lines (real time)
+        if phase(lab, name) == "Succeeded":
+            break
+    facts.update(job=job, ended=ended, recorded=clock.t)
+    return facts
+
+
+def test_a_ten_minute_run_costs_at_most_100_api_calls(server, tmp_path, monkeypatch):
+    for k, v in (("poll_min_seconds", 2.0), ("poll_max_seconds", 60.0),
+                 ("log_retry_seconds", 5.0)):
+        monkeypatch.setattr(HfBackend, k, v)  # the shipped numbers, in simulated time
+    clock = FakeClock()
+    lab = make_lab(tmp_path / "lab")
+    lab.backend_for("hf").clock = server.clock = clock
+    server.min_inspect_interval = 1.0  # a client polling faster is told to slow down (429)
+    before = sum(server.calls().values())
+    facts = run_for(lab, server, clock, "ten-minutes", seconds=600)
+    assert phase(lab, "ten-minutes") == "Succeeded"
+    assert lab.read_record("ten-minutes")["status"]["metrics"]["val_bpb"] == 2.1
+    calls = server.calls()
+    total = sum(calls.values()) - before
+    print(f"API calls for a 10-minute run: {total} {dict(calls)}")
+    assert total <= 100, dict(calls)
+    assert calls["logs"] <= 3 and not server.throttled
+    assert facts["recorded"] - facts["ended"] <= 10  # the end is seen within seconds
+    log = (lab.root / ".autolab" / "runs" / "exp-ten-minutes-1" / "log.txt").read_text()
+    assert "step 300 loss 3.1" in log  # the followed stream kept the whole log
+
+
+@pytest.mark.parametrize("as_date", [False, True], ids=["seconds", "http-date"])
+def test_a_429_stops_every_call_until_its_retry_after(server, tmp_path, monkeypatch, as_date):
+    for k, v in (("poll_min_seconds", 2.0), ("poll_max_seconds", 60.0)):
+        monkeypatch.setattr(HfBackend, k, v)
+    clock = FakeClock()
+    lab = make_lab(tmp_path / "lab")
+    lab.backend_for("hf").clock = server.clock = clock
+    server.retry_after_as_date = as_date
+    run_for(lab, server, clock, "throttled", seconds=120, throttle_at=20)
+    assert phase(lab, "throttled") == "Succeeded"
+    [refused] = server.throttled
+    later = [r for r in server.requests if r["at"] > refused["at"]]
+    assert later and min(r["at"] for r in later) >= refused["at"] + 30 - 1, \
+        [(r["kind"], r["at"] - refused["at"]) for r in later[:3]]
+
+
+def test_a_namespace_the_token_may_not_use_is_told_with_the_servers_words_and_the_fix(
+        server, tmp_path):
+    lab = make_lab(tmp_path / "lab", hf={"namespace": "autolab-org"})
+    server.forbid("autolab-org", "Organization autolab-org does not allow this token to run "
+                                 "jobs")
+    apply(lab, "org-run")
+    with pytest.raises(HfBackendError) as e:
+        step_until(lab, lambda: False, timeout=5)
+    message = str(e.value)
+    assert "Organization autolab-org does not allow this token to run jobs" in message
+    assert "403" in message and "namespace autolab-org" in message
+    for fix in ("hf auth login", "spec.hf.namespace", "write access", "Jobs"):
+        assert fix in message, fix
+    assert not server.created()

@@ -160,3 +160,23 @@ def test_jobs_and_logs_show_the_labs_jobs_without_the_token(server, lab_dir, cap
         server._advance(job)  # SCHEDULING -> RUNNING: the log starts
     rc, out = run(capsys, "hf", "logs", "--lab", str(lab_dir), "--job", job.id)
     assert rc == 0 and "step 10 loss 4.2" in out and "token=[redacted]" in out
+
+
+def test_preflight_tells_a_forbidden_namespace_with_the_servers_words_and_the_fix(
+        server, lab_dir, capsys):
+    """issue 13: an organisation the token may not run jobs in (it is a member all the same)."""
+    doc = yaml.safe_load((lab_dir / "lab.yaml").read_text())
+    doc["spec"]["hf"]["namespace"] = "autolab-org"
+    (lab_dir / "lab.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    server.forbid("autolab-org", "This token has no permission to run jobs for autolab-org")
+    rc, out = run(capsys, "hf", "preflight", "--lab", str(lab_dir))
+    assert rc == 1 and out.rstrip().endswith("ready: no")
+    assert "REFUSED (403)" in out
+    problem = [line for line in out.splitlines() if line.startswith("problem:") and "403" in line]
+    assert problem, out
+    for what in ("This token has no permission to run jobs for autolab-org", "namespace "
+                 "autolab-org", "hf auth login", "spec.hf.namespace", "write access"):
+        assert what in problem[0], what
+    rc, out = run(capsys, "hf", "jobs", "--lab", str(lab_dir))  # one line, no traceback
+    assert rc != 0 and "This token has no permission" in out and "spec.hf.namespace" in out
+    assert "Traceback" not in out

@@ -6,8 +6,9 @@ bench/hf_entry.py drops its secrets, re-execs, runs the real harness on the
 tiny CPU profile and prints its signed result. So this covers what no
 scripted job can: `autolab hf prepare` filling the bucket, the master's
 baseline and an experiment measured in jobs, the result read from the job's
-log and verified, and a candidate that hunts for the key and forges result
-lines getting nowhere. About a minute on two cores.
+log and verified, its step curve brought back for Trackio, and a candidate
+that hunts for the key and forges result lines getting nowhere. About a
+minute on two idle cores.
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ def test_experiment_measured_in_a_job_is_recorded_and_promoted_on_its_real_metri
     row = [r for r in lab.ledger.rows() if r["experiment_id"] == "hunter"][0]
     assert (float(row["val_bpb"]), row["job_id"], row["backend"]) == (val, job.id, "hf")
     assert row["promoted"] == ("1" if val < baseline else "0")
+
+    # The step curve came back from the job, where Trackio reads a local run's (issue 13).
+    from controller.lab import tracking
+    run_dir = root / ".autolab" / "runs" / "exp-hunter-1"
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["metrics"]["val_bpb"] == val and result["curve"] == str(run_dir / "curve.jsonl")
+    points = tracking.curve_points(root, "exp-hunter-1", result)
+    assert points and all(m.get("loss", 0) > 0 for _, m in points), points
 
     log = (root / ".autolab" / "runs" / "exp-hunter-1" / "log.txt").read_text()
     assert "prepared data from the bucket (read-only)" in log

@@ -26,7 +26,27 @@ key from the candidate). The key stays on this machine in
 `.autolab/runs/<run>/result.key` (mode 0600) and travels as the job secret
 `AUTOLAB_RESULT_KEY`; it never appears in a status, an event, the ledger or
 a log we write. The signed payload names the run and carries the
-candidate's sha1, both checked. No signed line: "no authentic result".
+candidate's sha1, both checked. No signed line: "no authentic result", an
+infrastructure error (state `error`, ledger status `error`): nothing was
+measured, so the experiment may run again. The job's step curve comes back
+the same way, as lines signed under the same key (bench/hf_entry.py); its
+verified points, each number checked and at most MAX_CURVE_POINTS, go to
+`curve.jsonl` next to the run's `result.json`, where Trackio reads a local
+run's curve. The curve is informational; the metric is the signed result's.
+
+Watching a job, on a budget of API calls. Each inspection is a call, and the
+Hub rate-limits tokens, so a running job is inspected at POLL_MIN_SECONDS
+after a change of stage, then at doubling intervals up to POLL_MAX_SECONDS;
+between inspections `observe` answers from what was last seen. Liveness
+comes from the log instead: a daemon thread per running job follows its log
+stream (`fetch_job_logs(follow=True)`: one long-lived call), keeping the end
+of the log and our signed lines; when the stream ends or carries the signed
+result, the job is inspected soon after. Once the job has ended, its result
+is read from what the threads kept; a stream that stalls (no line for
+LOG_STALL_SECONDS) or fails is read again without following, at most
+LOG_READS times, and never holds up the controller's loop. A 429 makes every
+call of this backend wait out its `Retry-After` (seconds or an HTTP date).
+A 10-minute run costs about 20 calls (tests/test_hf_backend.py counts them).
 
 Finding a run again. `.autolab/runs/<run>/hf.json` records the job id; a
 controller that crashed between creating the job and recording it finds the
@@ -45,20 +65,24 @@ must not hold credentials. Only the prepare job gets it, as a secret.
 from __future__ import annotations
 
 import base64
+import binascii
+import email.utils
 import gzip
 import hashlib
 import hmac
 import io
 import json
+import math
 import os
 import re
 import secrets
 import tarfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import httpx2
 import yaml
@@ -100,9 +124,29 @@ LABEL_CAMPAIGN = "autolab-campaign"
 LABEL_ROLE = "autolab-role"
 
 SIGNED_LINE = re.compile(r"AUTOLAB_SIGNED_RESULT (v1) ([A-Za-z0-9_=-]+) ([0-9a-f]{64})")
+CURVE_LINE = re.compile(r"AUTOLAB_SIGNED_CURVE (curve-v1) ([A-Za-z0-9_=-]+) ([0-9a-f]{64})")
+RESULT_MARKER, CURVE_MARKER = "AUTOLAB_SIGNED_RESULT", "AUTOLAB_SIGNED_CURVE"
 RESULT_STATES = {"succeeded": "succeeded", "failed": "failed", "error": "error"}
 ACTIVE_STAGES = ("SCHEDULING", "RUNNING")
-MAX_LOG_LINES = 20_000
+
+# What one read of a job's log keeps, whatever the candidate prints into it.
+MAX_LOG_LINES = 20_000        # the end of the log, for log.txt
+MAX_LINE_CHARS = 4096         # a longer line is cut in log.txt
+MAX_MARKED_CHARS = 64 * 1024  # a longer line is no signed line of ours
+MAX_RESULT_LINES = 64         # the last lines with the result marker (ours is the last)
+MAX_CURVE_LINES = 256         # the last lines with the curve marker (ours: at most 100)
+MAX_CURVE_POINTS = 5000       # bench/hf_entry.py CURVE_MAX_POINTS
+CURVE_KEYS = ("loss", "tokens_per_sec", "time")
+MAX_CURVE_STEP = 10**12
+
+# The API budget (see "Watching a job" above).
+POLL_MIN_SECONDS = 2.0    # the first inspection after a change of stage
+POLL_MAX_SECONDS = 60.0   # the interval doubles up to this while nothing changes
+RATE_LIMIT_SECONDS = 30.0  # the wait after a 429 without a usable Retry-After
+RETRY_AFTER_MAX = 3600.0
+LOG_STALL_SECONDS = 30.0  # a log read with no line for this long is stalled
+LOG_RETRY_SECONDS = 5.0   # between two reads of one job's log
+LOG_READS = 3             # reads of an ended job's log before it has no result
 
 # Unpack the bundle into a fresh directory and exec the entry point there. Runs as
 # `python3 -c BOOTSTRAP ARGS...`, so sys.argv[1:] are the entry point's arguments.
@@ -205,8 +249,189 @@ def token_from_secret(name: str, namespace: str, core_api: Any = None) -> str:
     return base64.b64decode(data).decode().strip()
 
 
-def _now() -> float:
-    return time.time()
+class RateLimited(Exception):
+    """Hugging Face answered 429 (now or recently): no call before `seconds` have passed."""
+
+    def __init__(self, seconds: float):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+    def message(self) -> str:
+        return (f"Hugging Face asked for fewer API calls (429); the next one in "
+                f"{self.seconds:.0f} s")
+
+
+def retry_after(response: Any, now: float) -> float | None:
+    """Seconds to wait from a 429's `Retry-After`, in seconds or as an HTTP date; None if absent
+    or unreadable. At most RETRY_AFTER_MAX (a wrong date must not stop the lab for days)."""
+    headers = getattr(response, "headers", None) or {}
+    value = str(headers.get("Retry-After") or headers.get("retry-after") or "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - now
+    if seconds != seconds:  # NaN
+        return None
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _curve_point(p: Any) -> dict | None:
+    """One point of a step curve, every number checked; None if it is not one."""
+    if not isinstance(p, dict) or not _is_int(p.get("step")) \
+            or not 0 <= p["step"] <= MAX_CURVE_STEP:
+        return None
+    point: dict[str, Any] = {"step": p["step"]}
+    for k in CURVE_KEYS:
+        v = p.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            point[k] = v
+    return point if len(point) > 1 else None
+
+
+def verify_signed_curve(lines: Iterable[str], key: bytes | None, run: str) -> list[dict]:
+    """The step curve of the verified curve lines for `run` (bench/hf_entry.py sign_curve):
+    its parts in order, every point checked, at most MAX_CURVE_POINTS. [] if none verifies."""
+    if not key:
+        return []
+    parts: dict[int, list] = {}
+    total = None
+    for line in lines:
+        m = CURVE_LINE.search(line)
+        if not m:
+            continue
+        version, b64, mac = m.groups()
+        want = hmac.new(key, f"{version} {b64}".encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, mac):
+            continue
+        try:
+            payload = json.loads(base64.urlsafe_b64decode(b64.encode()))
+        except (ValueError, binascii.Error):
+            continue
+        if not isinstance(payload, dict) or payload.get("run") != run:
+            continue
+        part, n, points = payload.get("part"), payload.get("parts"), payload.get("points")
+        if not (_is_int(part) and _is_int(n) and 0 <= part < n <= MAX_CURVE_LINES
+                and isinstance(points, list)):
+            continue
+        if n != total:  # another curve (a second run of the harness?): the last one counts
+            parts, total = {}, n
+        parts[part] = points
+    curve: list[dict] = []
+    for i in sorted(parts):
+        for p in parts[i]:
+            point = _curve_point(p)
+            if point is not None:
+                curve.append(point)
+            if len(curve) >= MAX_CURVE_POINTS:
+                return curve
+    return curve
+
+
+@dataclass(frozen=True)
+class _Poll:
+    stage: str       # the stage the last inspection saw
+    interval: float  # seconds from it to the next
+    due: float
+    at: float        # when it was made
+
+
+class LogReader:
+    """One read of a job's log in a daemon thread of its own, so no read holds up the loop.
+
+    `fetch_job_logs` may block for minutes on a stream that says nothing (its read timeout
+    is 120 s when following, 5 s when not) and cannot be interrupted; here it blocks only
+    this thread. The reader keeps what the controller needs and no more, whatever the
+    candidate prints: the last MAX_LOG_LINES lines (each cut to MAX_LINE_CHARS) and the last
+    lines that carry one of our signed markers. Its times are the backend's clock.
+    """
+
+    def __init__(self, api: HfApi, job_id: str, namespace: str, *, follow: bool,
+                 clock: Callable[[], float], on_rate_limit: Callable[[Exception], float]):
+        self.api, self.job_id, self.namespace, self.follow = api, job_id, namespace, follow
+        self.clock, self.on_rate_limit = clock, on_rate_limit
+        self.tail: deque[str] = deque(maxlen=MAX_LOG_LINES)
+        self.results: deque[str] = deque(maxlen=MAX_RESULT_LINES)
+        self.curve: deque[str] = deque(maxlen=MAX_CURVE_LINES)
+        self.count = 0
+        self.started_at = clock()
+        self.last_line_at: float | None = None
+        self.result_at: float | None = None
+        self.ended_at: float | None = None
+        self.error: str | None = None
+        self.timed_out = False  # it ended after a long silence: the read timed out
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True,
+                                        name=f"hf-log-{job_id[-8:]}")
+
+    def start(self) -> "LogReader":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.ended_at is None
+
+    def silent_for(self, now: float) -> float:
+        return now - (self.last_line_at if self.last_line_at is not None else self.started_at)
+
+    def snapshot(self) -> tuple[list[str], list[str], list[str]]:
+        with self._lock:
+            return list(self.tail), list(self.results), list(self.curve)
+
+    def trouble(self, now: float, stall_seconds: float) -> str | None:
+        """What went wrong with this read, in words; None if it ended normally."""
+        if self.alive and self.silent_for(now) >= stall_seconds:
+            return f"the log stream stalled: no line for {self.silent_for(now):.0f} s"
+        if self.error:
+            return f"reading it failed: {self.error}"
+        if self.timed_out:
+            return "the log stream went silent until the read timed out"
+        return None
+
+    def _read(self) -> None:
+        quiet = time.monotonic()
+        try:
+            for line in self.api.fetch_job_logs(job_id=self.job_id, namespace=self.namespace,
+                                                follow=self.follow):
+                quiet = time.monotonic()
+                self._take(line)
+        except HfHubHTTPError as e:
+            if _status_code(e) == 429:
+                self.on_rate_limit(e)
+            self.error = f"{_status_code(e)} {_server_message(e)}"
+        except Exception as e:  # noqa: BLE001 - whatever the stream does, the read ends
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            # The client ends a silent no-follow read after 5 s (a followed one after 120 s).
+            self.timed_out = time.monotonic() - quiet >= (100.0 if self.follow else 4.5)
+            self.ended_at = self.clock()
+
+    def _take(self, line: str) -> None:
+        line = line.rstrip("\n")
+        now = self.clock()
+        with self._lock:
+            self.count += 1
+            self.last_line_at = now
+            if len(line) <= MAX_MARKED_CHARS:
+                if RESULT_MARKER in line:
+                    self.results.append(line)
+                    self.result_at = now
+                elif CURVE_MARKER in line:
+                    self.curve.append(line)
+            self.tail.append(line if len(line) <= MAX_LINE_CHARS
+                             else line[:MAX_LINE_CHARS] + " [line cut]")
 
 
 def _read_json(path: Path) -> dict:
@@ -222,8 +447,30 @@ def _status_code(e: Exception) -> int | None:
 
 
 def _server_message(e: Exception) -> str:
+    """What the server said (huggingface_hub keeps it as `server_message`), else the error's
+    last line."""
+    said = (getattr(e, "server_message", None) or "").strip()
+    if said:
+        return " ".join(said.split())
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+def refusal_message(e: Exception, what: str, namespace: str | None) -> str:
+    """A 401 or 403 from Hugging Face, told with the server's words and the fix."""
+    code, said = _status_code(e), _server_message(e)
+    if code == 401:
+        return (f"Hugging Face rejected the token when asked to {what} (401: {said}); log in "
+                "again with `hf auth login` or set HF_TOKEN to a valid token; `autolab hf "
+                "preflight` checks it")
+    where = f"namespace {namespace}" if namespace else "the jobs' namespace"
+    return (f"Hugging Face refused to {what} in {where} (403: {said}). The token may not run "
+            f"jobs there: use a token with write access to {namespace or 'it'} (a fine-grained "
+            "token needs the permission to start and manage Jobs for that user or "
+            "organisation, and for an organisation its user must be a member allowed to), log "
+            "in with it (`hf auth login`, or HF_TOKEN), or set spec.hf.namespace in lab.yaml "
+            "(or the Experiment's spec.hf.namespace) to a namespace the token may use, such as "
+            "its own user; `autolab hf preflight` checks it")
 
 
 class HfBackend:
@@ -232,6 +479,11 @@ class HfBackend:
     name = "hf"
     result_grace_seconds = 30.0  # after the job ends, how long to wait for its signed line
     submit_grace_seconds = 60.0  # after a submission of unknown outcome, how long to look for it
+    poll_min_seconds = POLL_MIN_SECONDS
+    poll_max_seconds = POLL_MAX_SECONDS
+    log_stall_seconds = LOG_STALL_SECONDS
+    log_retry_seconds = LOG_RETRY_SECONDS
+    log_reads = LOG_READS
 
     def __init__(self, lab: LabSpec, lab_root: str | Path, *, lab_name: str, lab_id: str,
                  token: str | None = None, endpoint: str | None = None):
@@ -243,6 +495,11 @@ class HfBackend:
         self._token = token
         self.api = HfApi(endpoint=endpoint, token=token)
         self._whoami: dict | None = None
+        self.clock: Callable[[], float] = time.time  # a test's clock may stand in
+        self._lock = threading.RLock()  # the operator observes from several threads
+        self._quiet_until = 0.0  # no API call before (a 429's Retry-After)
+        self._polls: dict[str, _Poll] = {}
+        self._readers: dict[str, list[LogReader]] = {}
 
     @classmethod
     def from_lab(cls, lab: LabSpec, lab_root: Path, *, token: str | None = None,
@@ -303,6 +560,9 @@ class HfBackend:
         final = {"state": state, "message": message, "result": result,
                  "jobId": rec.get("jobId", ""), "worker": self._worker(rec)}
         atomic_write(self.run_dir(run) / "final.json", json.dumps(final, indent=2) + "\n")
+        with self._lock:  # its reads end by themselves; nothing more is asked about it
+            self._polls.pop(run, None)
+            self._readers.pop(run, None)
         return self._from_final(run, final)
 
     def _from_final(self, run: str, final: dict) -> RunObservation:
@@ -341,10 +601,8 @@ class HfBackend:
                                  "(a token with write access to the jobs' namespace); "
                                  "`autolab hf preflight` checks the setup")
 
-    def _auth_error(self, e: Exception, what: str) -> HfBackendError:
-        return HfBackendError(f"Hugging Face refused to {what} ({_status_code(e)}): "
-                              f"{_server_message(e)}; check the token (HF_TOKEN or `hf auth "
-                              "login`) and that it may run jobs in the namespace")
+    def _auth_error(self, e: Exception, what: str, namespace: str | None) -> HfBackendError:
+        return HfBackendError(refusal_message(e, what, namespace))
 
     # -- the job spec ------------------------------------------------------------------------------
     def bench_files(self, candidate_source: str) -> dict[str, bytes]:
@@ -419,12 +677,15 @@ class HfBackend:
                                  "`autolab hf prepare` once) or `data: synthetic` in lab.yaml")
         self._require_token()
         settings = self.settings(req.overrides)
+        namespace = settings.namespace
         try:
             namespace = self.namespace(settings)
             adopted = self._adopt(req.run, namespace)
+        except RateLimited as e:
+            return RunObservation(req.run, "queued", message=e.message())
         except HfHubHTTPError as e:
             if _status_code(e) in (401, 403):
-                raise self._auth_error(e, "list the jobs") from None
+                raise self._auth_error(e, "list the jobs", namespace) from None
             return RunObservation(req.run, "queued", message=f"cannot reach Hugging Face Jobs "
                                                              f"({_server_message(e)}); retrying")
         except httpx2.HTTPError as e:
@@ -434,7 +695,7 @@ class HfBackend:
             return self.observe(req.run)
         rec = self.record(req.run)
         since = rec.get("submittingSince")
-        if since and _now() - since < self.submit_grace_seconds:
+        if since and self.clock() - since < self.submit_grace_seconds:
             # A submission whose answer was lost may not be listed yet: look again before
             # creating another.
             return RunObservation(req.run, "queued", message="confirming the submission of "
@@ -445,17 +706,19 @@ class HfBackend:
         except BundleTooLarge as e:
             return self._conclude(req.run, "error", str(e), rec={})
         rec = {"namespace": namespace, "flavor": settings.flavor, "timeout": settings.timeout,
-               "slot": req.slot, "experiment": req.experiment, "submittingSince": _now(),
+               "slot": req.slot, "experiment": req.experiment, "submittingSince": self.clock(),
                "candidateSha1": hashlib.sha1(req.candidate_source.encode()).hexdigest()}
         self._write_record(req.run, rec)
         try:
-            job = self.api.run_job(**args)
+            job = self._call(lambda: self.api.run_job(**args))
+        except RateLimited as e:
+            return RunObservation(req.run, "queued", message=e.message())
         except HfHubHTTPError as e:
             code = _status_code(e)
             if code in (401, 403):
                 self._write_record(req.run, {k: v for k, v in rec.items()
                                              if k != "submittingSince"})
-                raise self._auth_error(e, "create the job") from None
+                raise self._auth_error(e, "create the job", namespace) from None
             if code is not None and 400 <= code < 500 and code != 429:
                 return self._conclude(req.run, "error", f"Hugging Face refused the job ({code}): "
                                                         f"{_server_message(e)}", rec=rec)
@@ -465,15 +728,17 @@ class HfBackend:
         except httpx2.HTTPError as e:
             return RunObservation(req.run, "queued", message=f"submitting to Hugging Face Jobs "
                                                              f"failed ({e}); retrying")
-        rec.update(jobId=job.id, url=job.url, submittedAt=iso(_now()))
+        rec.update(jobId=job.id, url=job.url, submittedAt=iso(self.clock()))
         rec.pop("submittingSince", None)
         self._write_record(req.run, rec)
-        return self._from_stage(req.run, rec, job.status.stage, job.status.message)
+        stage = str(getattr(job.status.stage, "value", job.status.stage))
+        self._schedule(req.run, stage)
+        return self._from_stage(req.run, rec, stage, job.status.message)
 
     def _adopt(self, run: str, namespace: str) -> dict | None:
         """Record the job already created for `run` (found by its labels), if there is one."""
-        jobs = list(self.api.list_jobs(namespace=namespace,
-                                       labels={LABEL_RUN: run, LABEL_LAB_ID: self.lab_id}))
+        jobs = self._call(lambda: list(self.api.list_jobs(
+            namespace=namespace, labels={LABEL_RUN: run, LABEL_LAB_ID: self.lab_id})))
         if not jobs:
             return None
         job = max(jobs, key=lambda j: (j.created_at is not None, j.created_at or 0))
@@ -498,18 +763,28 @@ class HfBackend:
                 rec = self._adopt(run, namespace) or {}
                 if not rec.get("jobId"):
                     return RunObservation(run, "missing")
-            job = self.api.inspect_job(job_id=rec["jobId"], namespace=rec["namespace"])
+            stage = rec.get("stage", "")
+            if stage in ("COMPLETED", "ERROR"):  # ended: only its log is left to read
+                return self._read_result(run, rec, stage, rec.get("stageMessage") or "")
+            if stage in ACTIVE_STAGES and not self._poll_due(run):
+                return self._from_stage(run, rec, stage, None)
+            job = self._call(lambda: self.api.inspect_job(job_id=rec["jobId"],
+                                                          namespace=rec["namespace"]))
+        except RateLimited as e:
+            return self._last_known(run, rec, e.message())
         except JobNotFoundError:
             return self._conclude(run, "lost", f"job {rec.get('jobId')} no longer exists on "
                                                "Hugging Face", rec=rec)
         except HfHubHTTPError as e:
             if _status_code(e) in (401, 403):
-                raise self._auth_error(e, "show the job") from None
+                raise self._auth_error(e, "show the job", rec.get("namespace")) from None
             return self._last_known(run, rec, f"cannot reach Hugging Face Jobs "
                                               f"({_server_message(e)})")
         except httpx2.HTTPError as e:
             return self._last_known(run, rec, f"cannot reach Hugging Face Jobs ({e})")
-        return self._from_stage(run, rec, job.status.stage, job.status.message)
+        stage = str(getattr(job.status.stage, "value", job.status.stage))
+        self._schedule(run, stage)
+        return self._from_stage(run, rec, stage, job.status.message)
 
     def _last_known(self, run: str, rec: dict, message: str) -> RunObservation:
         state = {"RUNNING": "running"}.get(rec.get("stage", ""), "queued")
@@ -520,6 +795,8 @@ class HfBackend:
         stage = str(getattr(stage, "value", stage))
         if rec.get("stage") != stage:
             rec["stage"] = stage
+            if message:
+                rec["stageMessage"] = message
             self._write_record(run, rec)
         job_id, worker = rec.get("jobId", ""), self._worker(rec)
         if stage == "SCHEDULING":
@@ -527,6 +804,7 @@ class HfBackend:
                                   message=f"Job {job_id} waits for a {rec.get('flavor')} machine "
                                           f"({rec.get('url', '')}).")
         if stage == "RUNNING":
+            self._follow(run, rec)
             return RunObservation(run, "running", job_id=job_id, worker=worker)
         if stage in ("COMPLETED", "ERROR"):
             return self._read_result(run, rec, stage, message or "")
@@ -539,53 +817,146 @@ class HfBackend:
         return RunObservation(run, "queued", job_id=job_id, worker=worker,
                               message=f"job {job_id} is in stage {stage}")
 
-    def _read_result(self, run: str, rec: dict, stage: str, message: str) -> RunObservation:
-        key = self._key(run)
+    # -- the API budget --------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """One API call, unless Hugging Face asked us to wait (429): then RateLimited, no call."""
+        wait = self._quiet_until - self.clock()
+        if wait > 0:
+            raise RateLimited(wait)
         try:
-            signed = self._fetch_logs(run, rec, key)
-        except (HfHubHTTPError, httpx2.HTTPError) as e:
-            return self._last_known(run, rec, f"reading the job's logs failed ({e})")
-        result = verify_signed_result(signed, key, run, rec.get("candidateSha1")) if key \
-            else None
-        if result is not None:
-            state = RESULT_STATES.get(result.get("status"), "failed")
-            return self._conclude(run, state, result.get("reason", ""), result, rec=rec)
+            return fn()
+        except HfHubHTTPError as e:
+            if _status_code(e) == 429:
+                raise RateLimited(self._rate_limited(e)) from None
+            raise
+
+    def _rate_limited(self, e: Exception) -> float:
+        """Note a 429: no call of this backend goes out before its Retry-After has passed."""
+        wait = retry_after(getattr(e, "response", None), self.clock())
+        wait = RATE_LIMIT_SECONDS if wait is None else wait
+        with self._lock:
+            self._quiet_until = max(self._quiet_until, self.clock() + wait)
+        return wait
+
+    def _schedule(self, run: str, stage: str) -> None:
+        """The next inspection of the run's job: soon after a change of stage, then ever later."""
+        now = self.clock()
+        with self._lock:
+            last = self._polls.get(run)
+            interval = self.poll_min_seconds if last is None or last.stage != stage \
+                else min(last.interval * 2, self.poll_max_seconds)
+            self._polls[run] = _Poll(stage, interval, now + interval, now)
+
+    def _poll_due(self, run: str) -> bool:
+        """Whether to inspect the job now: when its time has come, or soon after its log
+        stream ended or carried the signed result (the job is ending: its stage lags a little)."""
+        now = self.clock()
+        with self._lock:
+            if now < self._quiet_until:
+                return False
+            poll = self._polls.get(run)
+            if poll is None:
+                return True
+            due = poll.due
+            for r in self._readers.get(run, []):
+                for seen in (r.ended_at, r.result_at):
+                    if seen is not None and seen > poll.at:
+                        due = min(due, seen + self.poll_min_seconds)
+            return now >= due
+
+    # -- the job's log ---------------------------------------------------------------------------
+    def _start_reader(self, run: str, rec: dict, follow: bool) -> "LogReader":
+        reader = LogReader(self.api, rec["jobId"], rec["namespace"], follow=follow,
+                           clock=self.clock, on_rate_limit=self._rate_limited)
+        with self._lock:
+            self._readers.setdefault(run, []).append(reader)
+        return reader.start()
+
+    def _follow(self, run: str, rec: dict) -> None:
+        """Keep one thread following the running job's log (its lines, and its liveness)."""
+        now = self.clock()
+        with self._lock:
+            readers = self._readers.get(run, [])
+            if any(r.alive for r in readers) or now < self._quiet_until:
+                return
+            if readers and now - (readers[-1].ended_at or now) < self.log_retry_seconds:
+                return
+        self._start_reader(run, rec, follow=True)
+
+    def _read_result(self, run: str, rec: dict, stage: str, message: str) -> RunObservation:
+        """The job has ended: its result is the signed line in its log, read by the threads."""
+        key = self._key(run)
+        now = self.clock()
         if "terminalSeenAt" not in rec:
-            rec["terminalSeenAt"] = _now()
+            rec["terminalSeenAt"] = now
             self._write_record(run, rec)
-        if _now() - rec["terminalSeenAt"] < self.result_grace_seconds:
+        with self._lock:
+            readers = list(self._readers.get(run, []))
+        for r in readers:
+            tail, results, curve = r.snapshot()
+            result = verify_signed_result(results, key, run, rec.get("candidateSha1")) \
+                if key else None
+            if result is not None:
+                return self._conclude_result(run, rec, result, tail,
+                                             verify_signed_curve(curve, key, run), key)
+        fresh = [r for r in readers if r.alive and r.silent_for(now) < self.log_stall_seconds]
+        if not fresh and len(readers) < self.log_reads and now >= self._quiet_until \
+                and (not readers or now - readers[-1].started_at >= self.log_retry_seconds):
+            fresh = [self._start_reader(run, rec, follow=False)]  # read the whole log again
+        if fresh or now - rec["terminalSeenAt"] < self.result_grace_seconds:
             return RunObservation(run, "running", job_id=rec.get("jobId", ""),
                                   worker=self._worker(rec),
                                   message="reading the signed result from the job's logs")
-        if key is None:
-            why = (f"no authentic result: this run's result key is not on this machine "
-                   f"({self.run_dir(run) / 'result.key'}), so nothing in job "
-                   f"{rec.get('jobId')}'s logs can be trusted")
-            return self._conclude(run, "error", why, rec=rec)
-        if stage == "ERROR":
-            why = (f"job {rec.get('jobId')} ended in ERROR ({message or 'no message'}) with no "
-                   f"authentic result; see {self.log_path(run)}")
-            return self._conclude(run, "error", why, rec=rec)
-        why = (f"no authentic result: job {rec.get('jobId')} completed without a result line "
-               "signed with this run's key (a line the candidate printed does not count); see "
-               f"{self.log_path(run)}")
-        return self._conclude(run, "failed", why, rec=rec)
+        if readers:
+            best = max(readers, key=lambda r: r.count)
+            self._save_log(run, best.snapshot()[0], key)
+        return self._conclude(run, "error", self._no_result(run, rec, stage, message, readers,
+                                                            key, now), rec=rec)
 
-    def _fetch_logs(self, run: str, rec: dict, key: bytes | None) -> list[str]:
-        """Save the job's log to log.txt (token and key blanked out); return its signed lines."""
-        tail: deque[str] = deque(maxlen=MAX_LOG_LINES)
-        signed: list[str] = []
-        for line in self.api.fetch_job_logs(job_id=rec["jobId"], namespace=rec["namespace"]):
-            line = line.rstrip("\n")
-            tail.append(line)
-            if "AUTOLAB_SIGNED_RESULT" in line:
-                signed.append(line)
+    def _no_result(self, run: str, rec: dict, stage: str, message: str,
+                   readers: list["LogReader"], key: bytes | None, now: float) -> str:
+        """Why the run has no authentic result. Never the candidate's failure: whatever went
+        wrong, nothing was measured, so the experiment may run again (ledger status error)."""
+        job = rec.get("jobId")
+        if key is None:
+            return (f"no authentic result: this run's result key is not on this machine "
+                    f"({self.run_dir(run) / 'result.key'}), so nothing in job {job}'s logs can "
+                    "be trusted")
+        troubles = [r.trouble(now, self.log_stall_seconds) for r in readers]
+        troubles = [t for t in troubles if t]
+        if troubles or not readers:
+            what = "; ".join(dict.fromkeys(troubles)) or "no read of it could start"
+            return (f"no authentic result: job {job} ended ({stage}) but its log did not come "
+                    f"back whole ({what}), so its signed result was never read. Nothing was "
+                    "measured; the experiment may run again")
+        if stage == "ERROR":
+            return (f"job {job} ended in ERROR ({message or 'no message'}) with no authentic "
+                    f"result; see {self.log_path(run)}")
+        return (f"no authentic result: job {job} completed but its log holds no result line "
+                "signed with this run's key (a line the candidate printed does not count); "
+                f"see {self.log_path(run)}")
+
+    def _conclude_result(self, run: str, rec: dict, result: dict, tail: list[str],
+                         curve: list[dict], key: bytes) -> RunObservation:
+        """A verified result: its curve (if one came back) next to it, as local runs keep it."""
+        result = dict(result)
+        result["curve"] = None  # a path inside the job means nothing here
+        if curve:
+            path = self.run_dir(run) / "curve.jsonl"
+            atomic_write(path, "".join(json.dumps(p) + "\n" for p in curve))
+            result["curve"] = str(path)
+        atomic_write(self.run_dir(run) / "result.json", json.dumps(result) + "\n")  # Trackio's
+        self._save_log(run, tail, key)
+        state = RESULT_STATES.get(result.get("status"), "failed")
+        return self._conclude(run, state, result.get("reason", ""), result, rec=rec)
+
+    def _save_log(self, run: str, tail: list[str], key: bytes | None) -> None:
+        """log.txt: the end of the job's log, token and key blanked out."""
         text = "".join(line + "\n" for line in tail)
         for s in (self.token(), key.decode() if key else None):
             if s:
                 text = text.replace(s, "[redacted]")
         atomic_write(self.log_path(run), text)
-        return signed
 
     def cleanup(self, run: str) -> None:
         """Nothing to remove: the run's directory (log, result) stays as its record."""
@@ -603,18 +974,21 @@ class HfBackend:
                 rec = self._adopt(run, rec["namespace"]) or rec
             if not rec.get("jobId"):
                 since = rec.get("submittingSince")
-                if since and _now() - since < self.submit_grace_seconds:
+                if since and self.clock() - since < self.submit_grace_seconds:
                     return obs  # a job may have been created: cancel it once it shows up
                 return self._conclude(run, "cancelled", "cancelled before a job was created",
                                       rec=rec)
             if rec.get("terminalSeenAt"):
                 return obs  # it ended; its result is being read
-            self.api.cancel_job(job_id=rec["jobId"], namespace=rec["namespace"])
+            self._call(lambda: self.api.cancel_job(job_id=rec["jobId"],
+                                                   namespace=rec["namespace"]))
         except JobNotFoundError:
             return self._conclude(run, "cancelled", f"job {rec.get('jobId')} is gone", rec=rec)
+        except RateLimited:
+            return obs
         except HfHubHTTPError as e:
             if _status_code(e) in (401, 403):
-                raise self._auth_error(e, "cancel the job") from None
+                raise self._auth_error(e, "cancel the job", rec.get("namespace")) from None
             return obs
         except httpx2.HTTPError:
             return obs

@@ -12,6 +12,7 @@ without opening a browser. The token is never printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -114,13 +115,28 @@ def _backend(lab: LocalLab) -> "HfBackend":
     return lab.backend_for("hf")
 
 
+@contextlib.contextmanager
+def _refusals(what: str, namespace: str | None):
+    """A 401 or 403 from Hugging Face as one line: the server's words and the fix."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from controller.backends.hf import refusal_message
+    try:
+        yield
+    except HfHubHTTPError as e:
+        if getattr(e.response, "status_code", None) not in (401, 403):
+            raise
+        raise cli.CliError(refusal_message(e, what, namespace)) from None
+
+
 # --- preflight ----------------------------------------------------------------------------------
 
 def cmd_preflight(a) -> int:
     import httpx2
     from huggingface_hub.errors import BucketNotFoundError, HfHubHTTPError
 
-    from controller.backends.hf import DATA_MOUNT, LABEL_ROLE, LABEL_RUN, timeout_seconds
+    from controller.backends.hf import DATA_MOUNT, LABEL_ROLE, LABEL_RUN, refusal_message, \
+        timeout_seconds
     lab = LocalLab(a.lab)
     backend = _backend(lab)
     settings = backend.settings({"flavor": a.flavor} if a.flavor else None)
@@ -216,7 +232,14 @@ def cmd_preflight(a) -> int:
             labels = j.labels or {}
             out(f"            {j.id}  {j.status.stage:<10} {labels.get(LABEL_RUN) or labels.get(LABEL_ROLE, '')}"
                 f"  {j.flavor}\n")
-    except (HfHubHTTPError, httpx2.HTTPError) as e:
+    except HfHubHTTPError as e:
+        if getattr(e.response, "status_code", None) in (401, 403):
+            out(f"in flight:  REFUSED ({e.response.status_code}): the token may not use "
+                f"namespace {namespace}\n")
+            problems.append(refusal_message(e, "list the jobs", namespace))
+        else:
+            problems.append(f"listing the jobs in {namespace} failed: {str(e).splitlines()[0]}")
+    except httpx2.HTTPError as e:
         problems.append(f"listing the jobs in {namespace} failed: {str(e).splitlines()[0]}")
 
     try:
@@ -259,13 +282,15 @@ def cmd_prepare(a) -> int:
     settings = backend.settings()
     namespace = backend.namespace(settings)
     source = a.source or lab.lab.data
-    running = [j for j in backend.lab_jobs(namespace, active_only=True)
-               if (j.labels or {}).get(LABEL_ROLE) == "prepare"]
+    with _refusals("list the jobs", namespace):
+        running = [j for j in backend.lab_jobs(namespace, active_only=True)
+                   if (j.labels or {}).get(LABEL_ROLE) == "prepare"]
     if running:
         job = running[0]
         print(f"a prepare job of this lab is already {job.status.stage}: {job.id} ({job.url})")
     else:
-        job = backend.submit_prepare(source, flavor=a.flavor, timeout=a.timeout)
+        with _refusals("create the prepare job", namespace):
+            job = backend.submit_prepare(source, flavor=a.flavor, timeout=a.timeout)
         print(f"prepare job {job.id} on {a.flavor}: {source} for the {lab.lab.profile} profile "
               f"into bucket {backend.bucket_id(settings, namespace)} ({job.url})")
     if not a.wait:
@@ -295,7 +320,8 @@ def cmd_jobs(a) -> int:
     lab = LocalLab(a.lab)
     backend = _backend(lab)
     namespace = backend.namespace(backend.settings())
-    jobs = backend.lab_jobs(namespace, active_only=not a.all)
+    with _refusals("list the jobs", namespace):
+        jobs = backend.lab_jobs(namespace, active_only=not a.all)
     rows = []
     for j in sorted(jobs, key=lambda j: str(j.created_at or "")):
         labels = j.labels or {}
@@ -335,8 +361,10 @@ def _print_logs(backend: "HfBackend", job_id: str, namespace: str, follow: bool)
     from huggingface_hub.errors import HfHubHTTPError
     token = backend.token() or ""
     try:
-        for line in backend.api.fetch_job_logs(job_id=job_id, namespace=namespace, follow=follow):
-            print(line.replace(token, "[redacted]") if token else line, flush=True)
+        with _refusals(f"show the logs of job {job_id}", namespace):
+            for line in backend.api.fetch_job_logs(job_id=job_id, namespace=namespace,
+                                                   follow=follow):
+                print(line.replace(token, "[redacted]") if token else line, flush=True)
     except HfHubHTTPError as e:
         raise cli.CliError(f"cannot read the logs of job {job_id}: "
                            f"{str(e).strip().splitlines()[0]}") from None
