@@ -4,12 +4,17 @@ Serves the lab's Trackio dashboard (`autolab dashboard --no-browser`), loads it 
 headless Chromium (Debian's `chromium`: `apt-get install -y chromium`), and checks
 the rendered page: the project is the lab's, and every run Trackio should hold
 (every ledger row with a run: experiments that ran and the masters' baselines) is
-named on it. Saves a screenshot and checks it is a real image, not a blank page.
+named on it, with what became of it (`· promoted`, `· rejected`). Saves screenshots
+of the charts and of the Runs page, and the lab's progress chart, and checks the
+screenshots are real images, not blank pages.
 
     .venv/bin/python bench/perf/dashboard_screenshot.py [--lab DIR] [--out PNG]
+        [--runs-out PNG] [--progress-out PNG]
 
 Without --lab it builds a tiny lab (synthetic data, CPU) and runs the master's
-baseline and one experiment through the CLI first (about a minute). Exit code 0
+baseline and a few experiments (some promoted, some rejected) through the CLI
+first (a few minutes on two cores). The README's pictures (docs/dashboard.png,
+docs/dashboard-runs.png, docs/progress.png) come from this script. Exit code 0
 when every check passes; a JSON summary is printed either way. Not part of CI.
 """
 
@@ -28,18 +33,30 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
-from controller.cli.lab import init_lab
-from controller import cli, tracking  # noqa: E402
+from controller.cli import main as cli  # noqa: E402
+from controller.cli.lab import init_lab  # noqa: E402
+from controller.lab import tracking  # noqa: E402
 from controller.local import LocalLab  # noqa: E402
+from labkit import spec_from_edit  # noqa: E402
 
 AUTOLAB = "import sys; from controller.cli.main import main; sys.exit(main(sys.argv[1:]))"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-                  "--window-size=1400,900", "--virtual-time-budget=20000"]
+                  "--virtual-time-budget=20000"]
+# Small edits of the tiny master, each a constant moved; which win is up to the runs.
+EDITS = [("higher-matrix-lr", "lr", "MATRIX_LR = 0.02", "MATRIX_LR = 0.04"),
+         ("no-softcap", "model", "LOGIT_SOFTCAP = 15.0", "LOGIT_SOFTCAP = 0.0"),
+         ("shorter-warmdown", "schedule", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3"),
+         ("higher-embedding-lr", "lr", "EMBEDDING_LR = 0.3", "EMBEDDING_LR = 0.6"),
+         ("more-weight-decay", "schedule", "WEIGHT_DECAY = 0.1", "WEIGHT_DECAY = 0.2"),
+         ("higher-adam-beta1", "lr", "ADAM_BETAS = (0.8, 0.95)", "ADAM_BETAS = (0.9, 0.95)")]
 
 
 def free_port() -> int:
@@ -48,18 +65,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_lab(root: Path) -> LocalLab:
-    """A tiny lab with a measured baseline and one finished experiment, all through the CLI."""
-    init_lab(root, profile="tiny", data="synthetic")
+def build_lab(root: Path, budget: int) -> LocalLab:
+    """A tiny lab with a measured baseline and a few finished experiments, all through the CLI.
+
+    One experiment at a time, each an edit of the master of the moment, so none needs a rebase."""
+    init_lab(root, profile="tiny", data="synthetic", budget=budget)
     r = str(root)
-    assert cli.main(["worktree", "shorter-warmdown", "--lab", r]) == 0
-    train = root / ".autolab" / "scratch" / "shorter-warmdown" / "bench" / "train.py"
-    train.write_text(train.read_text().replace("WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3"))
-    assert cli.main(["new", "shorter-warmdown", "--lab", r, "--campaign", "schedule", "-w",
-                     "--hypothesis", "A shorter warmdown keeps the peak LR for longer."]) == 0
-    assert cli.main(["apply", "-f", str(root / "experiments" / "drafts" /
-                                        "shorter-warmdown.yaml"), "--lab", r]) == 0
-    assert cli.main(["run", "--lab", r, "--interval", "0.5"]) == 0
+    for name, campaign, old, new in EDITS:
+        spec = spec_from_edit(LocalLab(root), name, old, new, hypothesis=f"{new.split(' = ')[0]} "
+                              f"at {new.split(' = ')[1]} lowers val_bpb.")
+        spec["spec"]["campaign"] = campaign
+        path = root / "experiments" / "drafts" / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        assert cli.main(["apply", "-f", str(path), "--lab", r]) == 0
+        assert cli.main(["run", "--lab", r, "--interval", "0.5"]) == 0
     return LocalLab(root)
 
 
@@ -91,28 +111,42 @@ def stop(server: subprocess.Popen) -> None:
             continue
 
 
-def chromium(binary: str, args: list[str], profile: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+def chromium(binary: str, args: list[str], profile: Path,
+             size: str = "1500,1100") -> subprocess.CompletedProcess:
+    return subprocess.run([binary, *CHROMIUM_FLAGS, f"--window-size={size}",
+                           f"--user-data-dir={profile}", *args],
                           capture_output=True, text=True, timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lab", help="an existing lab (default: build a tiny one)")
-    p.add_argument("--out", default="dashboard.png", help="screenshot path")
+    p.add_argument("--out", default="dashboard.png", help="screenshot of the charts")
+    p.add_argument("--runs-out", default="dashboard-runs.png",
+                   help="screenshot of the Runs page")
+    p.add_argument("--progress-out", default="progress.png",
+                   help="where to copy the lab's progress chart (`autolab report`)")
     p.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     p.add_argument("--keep", action="store_true", help="keep the lab that was built")
+    p.add_argument("--budget", type=int, default=20,
+                   help="training seconds per run of the lab it builds (a curve point per ~5 s)")
     a = p.parse_args(argv)
     if not shutil.which(a.chromium):
         print(f"error: {a.chromium} not found; apt-get install -y chromium", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="autolab-dashboard-"))
-    lab = LocalLab(a.lab) if a.lab else build_lab(work / "lab")
+    lab = LocalLab(a.lab) if a.lab else build_lab(work / "lab", a.budget)
     tracking.sync(lab.root, lab.name)
-    expected = sorted({tracking.run_label(r) for r in lab.ledger.rows() if tracking.tracked(r)})
+    tracked = [r for r in lab.ledger.rows() if tracking.tracked(r)]
+    expected = sorted(tracking.run_labels(tracked))
+    assert cli.main(["report", "--lab", str(lab.root)]) == 0
+    progress_png = Path(a.progress_out).resolve()
+    for out in (a.out, a.runs_out, a.progress_out):
+        Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(lab.root / "research" / "live" / "progress.png", progress_png)
     project = tracking.project_name(lab.name)
     port = free_port()
-    url = f"http://127.0.0.1:{port}/?project={project}"
+    url = tracking.dashboard_url(f"http://127.0.0.1:{port}/?project={project}")
     server = subprocess.Popen([sys.executable, "-c", AUTOLAB, "dashboard", "--lab",
                                str(lab.root), "--no-browser", "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,19 +155,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_for(f"http://127.0.0.1:{port}/", server)
         dom = chromium(a.chromium, ["--dump-dom", url], work / "profile-dom").stdout
-        out = Path(a.out).resolve()
+        out, runs_out = Path(a.out).resolve(), Path(a.runs_out).resolve()
         chromium(a.chromium, [f"--screenshot={out}", url], work / "profile-shot")
+        runs_url = tracking.dashboard_url(f"http://127.0.0.1:{port}/runs?project={project}")
+        runs_dom = chromium(a.chromium, ["--dump-dom", runs_url], work / "profile-runs").stdout
+        chromium(a.chromium, [f"--screenshot={runs_out}", runs_url], work / "profile-runs-shot",
+                 size="1500,520")
         import matplotlib.image
-        image = matplotlib.image.imread(str(out)) if out.exists() else None
+        images = {str(o): matplotlib.image.imread(str(o)) if o.exists() else None
+                  for o in (out, runs_out)}
         summary.update(
-            screenshot=str(out),
-            screenshot_size=list(image.shape[:2]) if image is not None else None,
+            screenshots={o: list(i.shape[:2]) if i is not None else None
+                         for o, i in images.items()},
+            progress=str(progress_png),
+            outcomes={w: sum(f"· {w}" in r for r in expected)
+                      for w in ("promoted", "rejected", "follow-up", "failed")},
             project_shown=project in dom,
             runs_shown={r: r in dom for r in expected},
+            runs_page_shows={r: r in runs_dom for r in expected},
             page_bytes=len(dom),
         )
         ok = (bool(expected) and summary["project_shown"] and all(summary["runs_shown"].values())
-              and image is not None and image.shape[0] >= 400 and float(image.std()) > 0.01)
+              and all(summary["runs_page_shows"].values())
+              and all(i is not None and i.shape[0] >= 400 and float(i.std()) > 0.01
+                      for i in images.values()))
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         summary["error"] = str(e)
         if server.poll() is not None and server.stdout:
