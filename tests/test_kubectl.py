@@ -79,7 +79,8 @@ class Api:
     def args(self, *args: str) -> list[str]:
         return kubectl_args(self.config, self.tmp / "cache", *args)
 
-    def run(self, *args: str, stdin: str | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    def run(self, *args: str, stdin: str | None = None,
+            ok: bool = True) -> subprocess.CompletedProcess:
         p = subprocess.run(self.args(*args), input=stdin, capture_output=True, text=True,
                            timeout=60)
         if ok:

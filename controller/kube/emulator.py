@@ -34,8 +34,11 @@ Kubernetes API server does:
 - **deletion**: an object with finalizers gets `deletionTimestamp` at once
   (a MODIFIED event, so the operator's finalizer runs now, not at its next
   resync); the write that removes the last finalizer removes the object
-  (DELETED); without finalizers a delete is immediate. Deleting a Namespace
-  deletes what is in it, deleting a CRD deletes its objects;
+  (DELETED); without finalizers a delete is immediate. `kubectl delete`
+  then waits with a list and watch of that one name, which is why lists
+  carry `kind` and honour `fieldSelector` (kmock's did neither, and kubectl
+  backed off for seconds). Deleting a Namespace deletes what is in it,
+  deleting a CRD deletes its objects;
 - **custom resources are admitted as a real server admits them**: fields
   the schema does not know (outside `x-kubernetes-preserve-unknown-fields`)
   are pruned, and reported per `fieldValidation` (Strict: 400 `strict
@@ -57,17 +60,21 @@ Kubernetes API server does:
   `-o wide`), and for the built-in kinds the columns `kubectl get` shows on
   a real cluster (Pods: READY, STATUS, RESTARTS; Jobs: STATUS, COMPLETIONS;
   Events: LAST SEEN, TYPE, REASON, OBJECT, MESSAGE; ...);
+- **protobuf** request bodies of the kinds kubectl's typed clients send
+  that way (`kubectl create namespace|configmap|secret`) are read; every
+  answer is JSON, which all clients accept;
 - Pod logs (`pods/NAME/log`) come from `logs[(namespace, name)]`, which a
   test fills in to play the kubelet.
 
 Left out, each the job of something other than the API server or not used
 here: garbage collection of owned objects (the controller manager's), the
 Job and Pod controllers (tests play the kubelet), server-side apply
-(`kubectl apply --server-side`: 415), protobuf (OpenAPI v2 is served as JSON
-only), admission webhooks, authentication, RBAC, CEL beyond the rule forms
-above, schemas of the built-in kinds (no `kubectl explain pod`; their writes
-are not schema-checked), a Namespace that must exist before objects are
-made in it, and `limit`/`continue` paging (every list is one page).
+(`kubectl apply --server-side`: 415), other protobuf bodies (`kubectl create
+job`: 415; `kubectl apply -f` sends JSON), protobuf OpenAPI v2, admission
+webhooks, authentication, RBAC, CEL beyond the rule forms above, schemas of
+the built-in kinds (no `kubectl explain pod`; their writes are not
+schema-checked), a Namespace that must exist before objects are made in it,
+and `limit`/`continue` paging (every list is one page).
 
 `python -m controller.kube.emulator [--port N]` serves one on localhost and
 prints its URL (the operator benchmark runs it in its own process that way).
@@ -115,8 +122,8 @@ SERVER_META_FIELDS = ("uid", "creationTimestamp", "generation", "deletionTimesta
                       "deletionGracePeriodSeconds", "resourceVersion")
 # Strategic merge patch: lists of the built-in kinds merged by a key rather than replaced.
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "ephemeralContainers": "name",
-              "volumes": "name", "env": "name", "imagePullSecrets": "name", "ports": "containerPort",
-              "volumeMounts": "mountPath", "ownerReferences": "uid", "conditions": "type"}
+              "volumes": "name", "env": "name", "imagePullSecrets": "name",
+              "ports": "containerPort", "volumeMounts": "mountPath", "ownerReferences": "uid", "conditions": "type"}
 FIELD_VALIDATION = ("Ignore", "Warn", "Strict")
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 
@@ -554,8 +561,8 @@ class Emulator(kmock.KubernetesEmulator):
         if ctype == "application/strategic-merge-patch+json" and call.crd is None:
             return _strategic_merge(old, body)
         raise ApiError(415, "UnsupportedMediaType",
-                       f"the body of the request was in an unknown format - accepted media types "
-                       f"include: application/json-patch+json, application/merge-patch+json"
+                       "the body of the request was in an unknown format - accepted media types "
+                       "include: application/json-patch+json, application/merge-patch+json"
                        + ("" if call.crd else ", application/strategic-merge-patch+json")
                        + " (server-side apply is left out of the emulator)")
 
