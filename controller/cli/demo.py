@@ -135,6 +135,8 @@ def run_demo(keep: bool = False, directory: str | None = None) -> int:
         lab = str(root)
         name = None
         output = "wide"
+        selector = sort_by = None
+        watch = False
 
     print("\n== autolab get -o wide")
     cmd_get(A)
