@@ -37,7 +37,7 @@ from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
 from controller.core.spec import LabSpec, SpecError, trackable, validate_document
-from controller.core.status import ExperimentStatus
+from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import utcnow
 from controller.lab.paths import LAB_FILE, LabPaths
@@ -398,8 +398,11 @@ class LocalLab:
             raise BaselineFailed(f"{base.message}; see {backend.log_path(base.run)}, fix the "
                                  "cause and run again (each start tries "
                                  f"{BASELINE_ATTEMPTS} times)")
-        for n, r in records.items():
-            phase = (r.get("status") or {}).get("phase")
+        # Runs in flight first: a run that finished frees its slot for a queued one in this pass.
+        in_flight = {n for n, r in records.items()
+                     if (r.get("status") or {}).get("phase") in (RUNNING, CONFIRMING)}
+        for n in sorted(records, key=lambda n: n not in in_flight):
+            phase = (records[n].get("status") or {}).get("phase")
             if phase in ACTIVE or (phase in TERMINAL and n in loaded.specs):
                 failures.append(self._reconcile_isolated(n))
         return self.summary(loaded.errors + [f for f in failures if f])

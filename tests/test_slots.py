@@ -79,3 +79,23 @@ def test_confirmations_go_one_experiment_at_a_time_and_take_no_slot_from_first_r
     assert book.grant("c", 0, "t3") is not None, "a first run still gets a free slot"
     book.observe("a", {"phase": "Succeeded", "outcome": "Rejected"})  # a's verdict is in
     assert book.grant("b", boosted, "t2", confirm=True) is not None
+
+
+def test_a_freed_gpu_goes_to_the_next_run_in_the_same_pass(tmp_path, monkeypatch):
+    """The pass that records a finished run starts the queued one, whatever their names."""
+    monkeypatch.setenv("AUTOLAB_GPUS", "0")
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2)
+    lab.repo.set_master_metric(0.001)  # nobody wins: the master stays, no rebase in between
+    # "zz-first" sorts after "aa-second" but runs first; then "aa-second" waits for its GPU.
+    for name, new in (("zz-first", "WARMDOWN_RATIO = 0.4"), ("aa-second", "WARMDOWN_RATIO = 0.3")):
+        lab.apply_file(spec_from_edit(lab, name, "WARMDOWN_RATIO = 0.5", new), "test")
+        summary = lab.step()
+    phases = {n: st.get("phase") for n, st, _ in summary.rows}
+    assert phases == {"zz-first": "Running", "aa-second": "Queued"}, phases
+    deadline = time.time() + 300
+    while phases["zz-first"] == "Running" and time.time() < deadline:
+        time.sleep(0.2)
+        summary = lab.step()
+        phases = {n: st.get("phase") for n, st, _ in summary.rows}
+    assert phases == {"zz-first": "Succeeded", "aa-second": "Running"}, phases

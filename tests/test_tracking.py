@@ -39,6 +39,7 @@ CURVE = [{"step": 5, "loss": 3.2, "tokens_per_sec": 15000.0, "time": 1000.0},
 
 def read_back(lab: LocalLab) -> dict:
     """The project as trackio's own API reads it (a child process: TRACKIO_DIR is read once)."""
+    assert tracking.settle()  # the after-record hook syncs in the background
     proc = subprocess.run([sys.executable, "-c", READ, tracking.project_name(lab.name)],
                           env=tracking.child_env(lab.root), capture_output=True, text=True,
                           check=True)
@@ -192,6 +193,22 @@ def test_the_hook_tracks_a_run_and_respects_autolab_tracking_off(lab, monkeypatc
     tracking.track_quietly(LabPaths.of(lab.root), lab.name, lab.lab.surface, row, None, None)
     assert set(read_back(lab)) == {"lr-004 · rejected"}
     assert (lab.root / ".autolab" / "trackio" / "autolab-default.db").exists()
+
+
+def test_the_hook_never_waits_for_trackio(lab):
+    """The after-record hook starts the sync and returns: a freed GPU is not held for it.
+
+    Another sync holds the lab's sync lock the whole time; a hook that waited for its own
+    sync would never return. Once the lock is free, `settle()` sees the run tracked.
+    """
+    from filelock import FileLock
+
+    row = finished(lab, "lr-004", 0.98, CURVE)
+    tracking.trackio_dir(lab.root).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(tracking.trackio_dir(lab.root) / "sync.lock")):
+        tracking.track_quietly(LabPaths.of(lab.root), lab.name, lab.lab.surface, row, None, None)
+    assert tracking.settle()
+    assert set(read_back(lab)) == {"lr-004 · rejected"}
 
 
 def test_the_trackio_child_refuses_to_write_outside_the_lab(lab, tmp_path):

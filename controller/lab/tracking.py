@@ -39,7 +39,9 @@ Tracking is derived data. The ledger is the truth; `sync` logs every ledger
 row with a run that Trackio does not have yet, under a lock, so it is
 idempotent, heals a crash or a failed hook on the next call, and can be run
 by hand (`autolab dashboard` runs it before serving). A failure of Trackio is
-reported, never allowed to stop the controller. Set `AUTOLAB_TRACKING=0` to
+reported, never allowed to stop the controller, nor to keep it waiting: the hook
+starts the sync in the background (`settle()` waits for it; `autolab run` does before it
+returns). Set `AUTOLAB_TRACKING=0` to
 switch the hook off. Optional: `autolab dashboard --sync-space USER/SPACE`
 pushes the project to a Hugging Face Space (and bucket) with `trackio.sync`.
 """
@@ -47,11 +49,14 @@ pushes the project to a Hugging Face Space (and bucket) with `trackio.sync`.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,15 +176,85 @@ def sync(lab_root: Path, lab_name: str, quiet: bool = True) -> bool:
     return True
 
 
+# Syncs the after-record hook started in the background and nobody has waited for yet:
+# (lab root, the child, its log file, when it started). A sync takes seconds (the child
+# imports trackio), and the controller must not hold a freed GPU, or an operator's finalizer,
+# for that long: the hook starts the child and returns; `settle()` waits (at the end of
+# `autolab run`, and at exit).
+_BACKGROUND: list[tuple[Path, subprocess.Popen, Any, float]] = []
+_BACKGROUND_LOCK = threading.Lock()
+# Per lab, one sync running and one waiting for its lock are enough: the waiting one reads the
+# ledger once it holds the lock, so it takes every row written until then.
+MAX_SYNCS_PER_LAB = 2
+
+
+def sync_in_background(lab_root: Path, lab_name: str) -> bool:
+    """Start a sync of the lab and return at once; False if enough are underway already."""
+    lab_root = Path(lab_root).resolve()
+    _reap(wait=False)
+    with _BACKGROUND_LOCK:
+        if sum(root == lab_root for root, *_ in _BACKGROUND) >= MAX_SYNCS_PER_LAB:
+            return False
+        trackio_dir(lab_root).mkdir(parents=True, exist_ok=True)
+        log = open(trackio_dir(lab_root) / "sync.log", "a", encoding="utf-8")
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "controller.lab.tracking", "sync", str(lab_root), lab_name],
+                env=child_env(lab_root), cwd=str(lab_root), stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT)
+        except OSError:
+            log.close()
+            raise
+        if not _BACKGROUND and not getattr(sync_in_background, "registered", False):
+            atexit.register(settle)
+            sync_in_background.registered = True  # type: ignore[attr-defined]
+        _BACKGROUND.append((lab_root, child, log, time.monotonic()))
+    return True
+
+
+def settle(timeout: float = SYNC_TIMEOUT_SECONDS) -> bool:
+    """Wait for this process's background syncs; False (having said why) if one failed."""
+    return _reap(wait=True, timeout=timeout)
+
+
+def _reap(wait: bool, timeout: float = SYNC_TIMEOUT_SECONDS) -> bool:
+    ok = True
+    with _BACKGROUND_LOCK:
+        items = list(_BACKGROUND)
+    for entry in items:
+        root, child, log, started = entry
+        if wait:
+            try:
+                child.wait(timeout=max(0.0, started + timeout - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                print(f"warning: trackio sync of {root} took over {timeout:g}s and was stopped; "
+                      "`autolab dashboard` retries it", file=sys.stderr)
+                ok = False
+        rc = child.poll()
+        if rc is None:
+            continue
+        with _BACKGROUND_LOCK:
+            _BACKGROUND.remove(entry)
+        log.close()
+        if rc not in (0, -9):
+            print(f"warning: trackio sync failed (exit code {rc}); see "
+                  f"{trackio_dir(root) / 'sync.log'}; the ledger is intact and `autolab dashboard` "
+                  "retries it", file=sys.stderr)
+            ok = False
+    return ok
+
+
 def track_quietly(paths, lab_name: str, surface: str, row: dict, spec: dict | None,
                   status: dict | None) -> None:
-    """After-record hook: bring Trackio up to date with the row just written."""
+    """After-record hook: start bringing Trackio up to date with the row just written."""
     if os.environ.get("AUTOLAB_TRACKING", "1") in ("0", "false", "off"):
         return
     if not tracked(row):
         return
     try:
-        sync(paths.root, lab_name)
+        sync_in_background(paths.root, lab_name)
     except Exception as e:  # tracking must never stop the controller
         print(f"warning: trackio sync for {row.get('experiment_id')} failed: {e}",
               file=sys.stderr)
@@ -317,8 +392,10 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
     from controller.lab.ledger import Ledger
 
     project = project_name(lab_name)
-    rows = [r for r in Ledger(LabPaths.of(lab_root).ledger).rows() if tracked(r)]
     with FileLock(str(trackio_dir(lab_root) / "sync.lock")):
+        # The ledger is read under the lock: a sync that waited for another one sees every row
+        # written before it got the lock.
+        rows = [r for r in Ledger(LabPaths.of(lab_root).ledger).rows() if tracked(r)]
         try:
             have = {r.name for r in trackio.Api().runs(project)}
         except ValueError:  # trackio's word for "no such project yet"

@@ -1,0 +1,154 @@
+"""Useful experiments per GPU-hour, measured through the lab itself (issue 15).
+
+Makes a lab (`autolab init`), writes N experiment specs (small changes to constants of
+bench/train.py), runs `autolab run` until they are done, and reads back from the lab what
+each run spent: the harness's time breakdown (prepare, start-up, training, export,
+evaluate; bench/run.py's `timing`), the controller's share (from one run's result to the
+next run's launch, as the local backend records them), and the wall time of the whole
+`autolab run`. Then: experiments per GPU-hour at the measured budget, and at a 300-s budget
+with the same time outside training (start-up, export and evaluation do not grow with the
+budget).
+
+    python bench/perf/lab_throughput.py --data dir:/path/to/corpus [--budget 60] [--experiments 3]
+        [--profile default] [--lab /tmp/autolab-throughput] [--unsafe-no-sandbox]
+
+On a GPU machine bench/perf/gpu_throughput.sh runs it with the corpus of mkcorpus.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from controller.lab.ledger import Ledger  # noqa: E402
+from controller.lab.paths import LabPaths  # noqa: E402
+
+# One change per experiment: (constant, new value, why). Real changes, so the runs are the
+# kind a lab spends its GPUs on; their val_bpb does not matter here.
+CHANGES = [
+    ("WARMDOWN_RATIO", "0.4", "a shorter warmdown keeps the peak LR longer"),
+    ("MATRIX_LR", "0.025", "a higher Muon LR trains faster in a short budget"),
+    ("EMBEDDING_LR", "0.4", "a higher embedding LR"),
+    ("WEIGHT_DECAY", "0.05", "less weight decay"),
+    ("UNEMBEDDING_LR", "0.005", "a higher lm_head LR"),
+    ("FINAL_LR_FRAC", "0.05", "do not decay the LR all the way to zero"),
+]
+TARGET_BUDGET = 300.0  # the budget the issue's goal is stated at
+
+
+def autolab(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "controller.cli.main", *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(cmd, cwd=cwd, env=env, text=True, capture_output=True)
+
+
+def spec_for(i: int, source: str, master: str) -> str:
+    name, value, why = CHANGES[i % len(CHANGES)]
+    lines = source.splitlines(keepends=True)
+    new = []
+    for line in lines:
+        if line.startswith(f"{name} = "):
+            rest = line.split("#", 1)
+            comment = ("  #" + rest[1]) if len(rest) > 1 else "\n"
+            line = f"{name} = {value}{comment}"
+        new.append(line)
+    diff = "".join(difflib.unified_diff(lines, new, "a/train.py", "b/train.py", n=3))
+    doc = {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
+           "metadata": {"name": f"tp-{i + 1}-{name.lower().replace('_', '-')}"},
+           "spec": {"hypothesis": f"{why} ({name} = {value})", "parent": master[:12],
+                    "campaign": "throughput", "diff": diff}}
+    import yaml
+    return yaml.safe_dump(doc, sort_keys=False, width=1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="synthetic | hub | dir:PATH")
+    p.add_argument("--budget", type=float, default=60.0)
+    p.add_argument("--experiments", type=int, default=3)
+    p.add_argument("--profile", default="default")
+    p.add_argument("--lab", default="/tmp/autolab-throughput")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="run without bubblewrap (a GPU machine without it; the repo's own code)")
+    a = p.parse_args(argv)
+    if a.experiments < 3:
+        p.error("--experiments: at least 3, as the issue asks")
+    lab = Path(a.lab)
+    shutil.rmtree(lab, ignore_errors=True)
+    made = autolab("init", str(lab), "--profile", a.profile, "--data", a.data,
+                   "--budget", f"{a.budget:g}")
+    if made.returncode != 0:
+        print(made.stdout + made.stderr, file=sys.stderr)
+        return 1
+    paths = LabPaths.of(lab)
+    master = json.loads(paths.master_file.read_text())
+    source = (lab / "bench" / "train.py").read_text()
+    for i in range(a.experiments):
+        (paths.experiments / f"tp-{i + 1}.yaml").write_text(spec_for(i, source, master["hash"]))
+    run_args = ["run", "--lab", str(lab)] + (["--unsafe-no-sandbox"] if a.unsafe_no_sandbox else [])
+    t0 = time.monotonic()
+    ran = autolab(*run_args)
+    wall = time.monotonic() - t0
+    (lab / "autolab-run.log").write_text(ran.stdout + ran.stderr)
+    if ran.returncode != 0:
+        print(f"autolab run exited {ran.returncode}; see {lab / 'autolab-run.log'}", file=sys.stderr)
+
+    rows = [r for r in Ledger(paths.ledger).rows() if r.get("status") in ("succeeded", "baseline")]
+    runs = []
+    for r in rows:
+        d = paths.run_dir(r["run_id"])
+        try:
+            result = json.loads((d / "result.json").read_text())
+            launch = json.loads((d / "launch.json").read_text())
+        except (OSError, ValueError):
+            continue
+        runs.append({"run": r["run_id"], "started": launch["startedAt"],
+                     "ended": (d / "result.json").stat().st_mtime, "timing": result.get("timing") or {},
+                     "total": (result.get("metrics") or {}).get("total_seconds"),
+                     "val_bpb": (result.get("metrics") or {}).get("val_bpb")})
+    runs.sort(key=lambda x: x["started"])
+    if len(runs) < 2:
+        print(f"only {len(runs)} run(s) finished; see {lab / 'autolab-run.log'}", file=sys.stderr)
+        return 1
+    print(f"{'run':34} {'val_bpb':>8} {'prepare':>8} {'start-up':>9} {'training':>9} {'export':>7} "
+          f"{'evaluate':>9} {'outside':>8} {'launch->result':>15}")
+    outside = []
+    for x in runs:
+        t = x["timing"]
+        span = x["ended"] - x["started"]
+        out = span - (t.get("training_seconds") or 0.0)
+        outside.append(out)
+        print(f"{x['run']:34} {x['val_bpb'] or float('nan'):8.4f} {t.get('prepare_seconds', 0):8.1f} "
+              f"{t.get('startup_seconds', 0):9.1f} {t.get('training_seconds', 0):9.1f} "
+              f"{t.get('export_seconds') or 0:7.1f} {t.get('evaluate_seconds', 0):9.1f} {out:8.1f} "
+              f"{span:15.1f}")
+    gaps = [b["started"] - a_["ended"] for a_, b in zip(runs, runs[1:])]
+    per_run = [x["ended"] - x["started"] + g for x, g in zip(runs, gaps + [statistics.mean(gaps)])]
+    mean_outside = statistics.mean(outside)
+    mean_gap = statistics.mean(gaps)
+    print(f"\nruns: {len(runs)} (baseline + {len(runs) - 1} experiments), budget {a.budget:g} s, "
+          f"autolab run wall {wall:.1f} s")
+    print(f"outside training per run (launch to result, minus training): mean {mean_outside:.1f} s, "
+          f"max {max(outside):.1f} s")
+    print(f"controller between runs (one result to the next launch): mean {mean_gap:.2f} s, "
+          f"max {max(gaps):.2f} s")
+    print(f"experiments per GPU-hour at {a.budget:g} s: {3600 / statistics.mean(per_run):.1f}")
+    at_target = TARGET_BUDGET + mean_outside + mean_gap
+    print(f"experiments per GPU-hour at {TARGET_BUDGET:g} s (same time outside training): "
+          f"{3600 / at_target:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
