@@ -113,7 +113,7 @@ class Apply:
     old: str
     new: str
     parent: str = SEED_HASH[:12]
-    extra: dict = field(default_factory=dict)  # more spec fields (an unknown one is invalid)
+    extra: dict = field(default_factory=dict)  # spec fields to add or replace
     mangle: tuple[str, str] | None = None      # (old, new) in the diff text: a diff that won't apply
 
 
@@ -208,9 +208,13 @@ SCENARIOS = [
          # the same program as a run in flight, and as the master
          Apply("twin", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # the same idea"),
          Apply("noop", "DEPTH = 8  # transformer blocks", "DEPTH = 8  # blocks"),
-         # a diff that does not apply to its parent, and a spec with a field it may not have
+         # a diff that does not apply to its parent, and a spec the schema lets through but
+         # the controller may not (a terminal escape sequence in the hypothesis). A field the spec may not have is not the example here: a cluster's
+         # API server prunes it, or refuses the object under kubectl's strict validation, so
+         # the operator never sees it (tests/test_kubectl.py).
          Apply("bad-diff", "DEPTH = 8", "DEPTH = 12", mangle=("-DEPTH = 8", "-DEPTH = 7")),
-         Apply("bad-spec", "DEPTH = 8", "DEPTH = 14", extra={"budget": 5}),
+         Apply("bad-spec", "DEPTH = 8", "DEPTH = 14",
+               extra={"hypothesis": "A deeper model \x1b[2Jtrains better in the same budget."}),
          Finish("first", ok(1.01)),
          # the same program as a measured experiment
          Apply("again", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # again"),
