@@ -342,7 +342,7 @@ def test_delete_by_file_and_all(lab, env):
 def test_version_and_shell_completion(lab, env):
     from importlib.metadata import version
     p = autolab("--version", env=env)
-    assert p.returncode == 0 and p.stdout.strip() == f"autolab {version('autolab')}"
+    assert p.returncode == 0 and p.stdout.strip() == f"autolab {version('autolab-research')}"
     script = autolab("completion", "bash", env=env)
     assert script.returncode == 0 and "complete -o default -F _autolab_complete autolab" \
         in script.stdout

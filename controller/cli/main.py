@@ -31,7 +31,7 @@ from controller.lab.profiles import profiles
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
-        return version("autolab")
+        return version("autolab-research")  # the distribution's name (pyproject.toml)
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
 
