@@ -13,7 +13,8 @@
         specs/KEY.json               the spec an experiment was checked with
         events/NAME.jsonl            its events
         locks/                       file locks
-        worktrees/NAME               its candidate's git worktree
+        candidates/NAME              a checked candidate's commit, until its cleanup
+        worktrees/NAME               a candidate's git worktree (before issue 15; still cleaned)
         runs/RUN/                    a run's directory (local backend)
         trackio/                     Trackio's database
 """
@@ -105,6 +106,9 @@ class LabPaths:
 
     def worktree(self, name: str) -> Path:
         return self.state / "worktrees" / name
+
+    def candidate(self, name: str) -> Path:
+        return self.state / "candidates" / name
 
     def run_dir(self, run: str) -> Path:
         return self.state / "runs" / run

@@ -79,6 +79,7 @@ class LabRepo:
         self.state = self.paths.state
         self.master_file = self.paths.master_file
         self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
+        self._indexes: dict[str, bytes] = {}  # commit -> an index of its tree (see _index_of)
 
     # -- git -----------------------------------------------------------------------------------
     def git(self, *args: str, cwd: Path | None = None, input: str | None = None,
@@ -91,9 +92,6 @@ class LabRepo:
 
     def worktree_path(self, name: str) -> Path:
         return self.paths.worktree(name)
-
-    def has_worktree(self, name: str) -> bool:
-        return self.worktree_path(name).exists()
 
     # -- master --------------------------------------------------------------------------------
     def master_doc(self) -> dict:
@@ -171,90 +169,148 @@ class LabRepo:
             return PromotionResult(True, d.get("val_bpb"))
 
     # -- candidates ----------------------------------------------------------------------------
+    def git_bytes(self, *args: str, input: bytes | None = None, env: dict | None = None,
+                  check: bool = True) -> subprocess.CompletedProcess:
+        """`git` with bytes in and out (a candidate's exact bytes; a temporary index)."""
+        proc = subprocess.run(["git", *GIT_ID, *args], cwd=self.root, input=input,
+                              capture_output=True, env=env)
+        if check and proc.returncode != 0:
+            why = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip()
+            raise GitError(f"git {' '.join(args)}: {why}")
+        return proc
+
+    def candidate_marker(self, name: str) -> Path:
+        return self.paths.candidate(name)
+
+    def has_worktree(self, name: str) -> bool:
+        """Something of a checked candidate is left to clean up (its marker, or an old worktree)."""
+        return self.candidate_marker(name).exists() or self.worktree_path(name).exists()
+
     def _remove_worktree(self, name: str) -> None:
-        wt = self.worktree_path(name)
+        self.candidate_marker(name).unlink(missing_ok=True)
+        wt = self.worktree_path(name)  # made by a controller before issue 15
         if not wt.exists():
             return
         if self.git("worktree", "remove", "--force", str(wt), check=False).returncode != 0:
             shutil.rmtree(wt, ignore_errors=True)  # half-made by a crash: forget it in git too
             self.git("worktree", "prune", check=False)
 
+    def _index_of(self, commit: str) -> bytes:
+        """A git index holding `commit`'s tree (read once per commit, then copied)."""
+        index = self._indexes.get(commit)
+        if index is None:
+            with tempfile.TemporaryDirectory(prefix="autolab-index-") as d:
+                path = os.path.join(d, "index")
+                self.git_bytes("read-tree", commit, env={**os.environ, "GIT_INDEX_FILE": path})
+                index = Path(path).read_bytes()
+            self._indexes[commit] = index
+        return index
+
+    def _commit(self, tree: str, parent: str, message: str) -> str:
+        # `git commit -m` cleans the message up this way (cleanup=whitespace); commit-tree not.
+        return self.git_bytes("commit-tree", tree, "-p", parent, "-F", "-",
+                              input=_stripspace(message).encode("utf-8")).stdout.decode().strip()
+
+    def _blob(self, tree: str) -> bytes:
+        return self.git_bytes("cat-file", "blob", f"{tree}:{self.lab.surface}").stdout
+
     def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
         """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""
+        return self.check(name, spec)[0]
+
+    def check(self, name: str, spec: ExperimentSpec) -> tuple[Candidate, str | None]:
+        """`materialise`, and the master commit it was checked against (None: refused before
+        the master mattered). Safe to call for different names at once (threads, processes):
+        each check has its own temporary index, and git writes objects and refs atomically."""
         surface = self.lab.surface
         try:
             diff = parse_surface_diff(spec.diff, surface)
             parent = self.resolve_parent(spec.parent)
         except DiffRefused as e:
-            return Candidate(refusal="Invalid", reason=e.reason, message=str(e))
+            return Candidate(refusal="Invalid", reason=e.reason, message=str(e)), None
         master = self.master()
-        wt = self.worktree_path(name)
         self._remove_worktree(name)
-        wt.parent.mkdir(parents=True, exist_ok=True)
-        added = self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"],
-                         check=False)
-        if added.returncode != 0:  # a stale registration left by a crash
-            self.git("worktree", "prune", check=False)
-            self.git("worktree", "add", "--quiet", "--detach", str(wt), parent["commit"])
-        # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
-        zero = ["--unidiff-zero"] if diff.zero_context else []
-        applied = self.git("apply", "--whitespace=nowarn", *zero, "-", cwd=wt, input=diff.text,
-                           check=False)
-        if applied.returncode != 0:
-            self._remove_worktree(name)
-            why = applied.stderr.strip().replace("error: ", "").replace("\n", "; ")
-            return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
-                             message=_does_not_apply(parent, master, surface, why))
+        with tempfile.TemporaryDirectory(prefix="autolab-check-") as d:
+            index = os.path.join(d, "index")
+            Path(index).write_bytes(self._index_of(parent["commit"]))
+            env = {**os.environ, "GIT_INDEX_FILE": index}
+            # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
+            zero = ["--unidiff-zero"] if diff.zero_context else []
+            applied = self.git_bytes("apply", "--cached", "--whitespace=nowarn", *zero, "-",
+                                     input=diff.text.encode("utf-8"), env=env, check=False)
+            if applied.returncode != 0:
+                why = applied.stderr.decode("utf-8", "replace").strip()
+                why = why.replace("error: ", "").replace("\n", "; ")
+                return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
+                                 message=_does_not_apply(parent, master, surface, why)), \
+                    master.commit
+            tree = self.git_bytes("write-tree", env=env).stdout.decode().strip()
         trailers = (f"\n\nAutolab-Experiment: {name}\nAutolab-Campaign: {spec.campaign or '-'}"
                     f"\nAutolab-Parent: {parent['hash']}")
-        self.git("commit", "--quiet", "--allow-empty", "-a", "-m",
-                 spec.hypothesis + trailers, cwd=wt)
+        commit = self._commit(tree, parent["commit"], spec.hypothesis + trailers)
         rebased_from = None
         base = parent
         if parent["commit"] != master.commit:
-            mine = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
-            self.git("checkout", "--quiet", "--detach", master.commit, cwd=wt)
-            # A change the master already holds picks to an empty commit: kept, so the
-            # candidate is the master itself and the duplicate check says so (not a conflict).
-            picked = self.git("cherry-pick", "--keep-redundant-commits", mine, cwd=wt,
-                              check=False)
-            if picked.returncode != 0:
-                hunk = _conflict_hunk(wt / surface)
-                self.git("cherry-pick", "--abort", cwd=wt, check=False)
-                self._remove_worktree(name)
+            tree, hunk = self._rebase(commit, parent["commit"], master.commit)
+            if tree is None:
                 msg = (f"diff was written against {parent['hash'][:12]} and conflicts with the "
                        f"current master {master.hash[:12]} ({master.experiment or 'seed'}):\n"
                        f"{hunk}\nrewrite the change against the current master")
-                return Candidate(refusal="Conflict", reason="RebaseConflict", message=msg)
+                return Candidate(refusal="Conflict", reason="RebaseConflict", message=msg), \
+                    master.commit
             rebased_from = parent["hash"]
             base = {"hash": master.hash}
-            self.git("commit", "--quiet", "--amend", "--allow-empty", "-m",
-                     spec.hypothesis + trailers.replace(parent["hash"], master.hash)
-                     + f"\nAutolab-Rebased-From: {parent['hash']}", cwd=wt)
-        raw = (wt / surface).read_bytes()
+            # A change the master already holds rebases to the master's own tree: kept, so the
+            # candidate is the master itself and the duplicate check says so (not a conflict).
+            commit = self._commit(tree, master.commit, spec.hypothesis
+                                  + trailers.replace(parent["hash"], master.hash)
+                                  + f"\nAutolab-Rebased-From: {parent['hash']}")
+        raw = self._blob(tree)
         refused = check_candidate_source(raw, surface)  # what Python runs is what we hash
         if refused is not None:
-            self._remove_worktree(name)
-            return Candidate(refusal="Invalid", reason=refused.reason, message=refused.message)
+            return Candidate(refusal="Invalid", reason=refused.reason,
+                             message=refused.message), master.commit
         source = raw.decode("utf-8")
         try:
             compile(source, surface, "exec", dont_inherit=True)
             sem = semantic_hash(source)
         except SyntaxError as e:
-            self._remove_worktree(name)
             return Candidate(refusal="Invalid", reason="CompileError",
                              message=f"candidate does not compile: {surface} line {e.lineno}: "
-                                     f"{e.msg}")
+                                     f"{e.msg}"), master.commit
         except (RecursionError, MemoryError):  # Python could not run it either
-            self._remove_worktree(name)
             return Candidate(refusal="Invalid", reason="CompileError",
                              message=f"candidate does not compile: {surface} is nested too "
-                                     "deeply for Python's compiler; split the expression")
-        commit = self.git("rev-parse", "HEAD", cwd=wt).stdout.strip()
+                                     "deeply for Python's compiler; split the expression"), \
+                master.commit
+        # Marked before the branch: a crash in between leaves a branch that cleanup finds.
+        marker = self.candidate_marker(name)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(commit + "\n")
         self.git("branch", "-f", f"autolab/exp/{name}", commit)
         return Candidate(candidate_hash=candidate_hash(source), semantic_hash=sem,
                          parent_hash=base["hash"], rebased_from=rebased_from, commit=commit,
-                         changed_lines=len(diff.added) + len(diff.removed))
+                         changed_lines=len(diff.added) + len(diff.removed)), master.commit
+
+    def _rebase(self, commit: str, parent: str, master: str) -> tuple[str | None, str]:
+        """The tree of `commit` cherry-picked onto `master`; (None, the hunk) on a conflict.
+
+        A three-way merge in git's object store (`git merge-tree --write-tree`), as
+        cherry-pick makes it: base `parent`, ours the master, theirs the candidate. git
+        2.39 has no --merge-base, so the master's tree goes on a commit whose parent is
+        `parent`, which makes `parent` the merge base whatever the history between them.
+        """
+        ours = self._commit(f"{master}^{{tree}}", parent, "the current master, for a rebase")
+        merged = self.git_bytes("merge-tree", "--write-tree", ours, commit, check=False)
+        tree = merged.stdout.decode("utf-8", "replace").split("\n", 1)[0].strip()
+        if merged.returncode == 0:
+            return tree, ""
+        text = None
+        if merged.returncode == 1 and tree:
+            shown = self.git_bytes("cat-file", "blob", f"{tree}:{self.lab.surface}", check=False)
+            if shown.returncode == 0:
+                text = shown.stdout.decode("utf-8", "replace")
+        return None, _conflict_hunk(text)
 
     def cleanup(self, name: str, keep_branch: bool) -> None:
         self._remove_worktree(name)
@@ -269,12 +325,24 @@ class LabRepo:
         return self.git("show", f"{commit}:{self.lab.surface}").stdout
 
 
-def _conflict_hunk(path: Path, context: int = 2) -> str:
+def _stripspace(message: str) -> str:
+    """What `git commit -m` stores (`git stripspace`): trailing whitespace off every line,
+    runs of blank lines made one, none at either end, a newline at the end."""
+    out: list[str] = []
+    for line in message.split("\n"):
+        line = line.rstrip(" \t\n\r")  # git's isspace(): not \v or \f
+        if line or (out and out[-1]):
+            out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _conflict_hunk(text: str | None, context: int = 2) -> str:
     """The first conflicted region of a file, with a little context, for the user."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    except OSError:
+    if text is None:
         return "(conflicting file could not be read)"
+    lines = text.split("\n")
     start = next((i for i, l in enumerate(lines) if l.startswith("<<<<<<<")), None)
     if start is None:
         return "(git reported a conflict)"
