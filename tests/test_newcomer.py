@@ -45,6 +45,13 @@ def env(tmp_path) -> dict:
     return e
 
 
+def as_from_a_terminal() -> None:
+    """preexec_fn: Ctrl-C as a terminal delivers it. A test runner's worker may ignore SIGINT,
+    and a child inherits an ignored signal (Python then installs no KeyboardInterrupt)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def autolab(*args: str, env: dict, cwd: Path | None = None,
             timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], env=env, cwd=cwd, capture_output=True, text=True,
@@ -396,7 +403,8 @@ def test_get_watch_prints_each_change_until_ctrl_c(lab, env):
     assert autolab("apply", "-f", str(warmdown_spec(lab, "wd-a", "0.3")), "--lab", str(lab),
                    env=env).returncode == 0
     w = subprocess.Popen([*COMMAND, "get", "-w", "--interval", "0.2", "--lab", str(lab)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=as_from_a_terminal)
     try:
         assert read_until(w, "wd-a").startswith("NAME")
         assert autolab("apply", "-f", str(warmdown_spec(lab, "wd-b", "0.2")), "--lab", str(lab),
@@ -425,7 +433,7 @@ def test_ctrl_c_on_run_says_the_runs_go_on_and_how_to_follow_them(lab, env):
     assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
     run = subprocess.Popen([*COMMAND, "run", "--unsafe-no-sandbox", "--interval", "0.2"],
                            cwd=lab, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                           text=True, preexec_fn=as_from_a_terminal)
     launch = None
     try:
         deadline = time.time() + 60

@@ -357,7 +357,7 @@ def test_operator_turns_a_known_failure_into_a_permanent_error_told_once(monkeyp
            "status": {"phase": "Queued"}}
     op = Operator(OperatorConfig(), kube=FakeKube(obj))
     events: list = []
-    monkeypatch.setattr(op, "_event", lambda o, e: events.append(e))
+    monkeypatch.setattr(op, "_event", lambda o, e, fact=None: events.append(e) or True)
 
     def fails(namespace, name):
         raise SpecError("backend 'hf' needs a token; set HF_TOKEN")
