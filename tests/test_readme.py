@@ -480,6 +480,14 @@ def test_every_experiment_spec_is_current_and_passes_the_controllers_checks(tmp_
     for b in experiment_blocks():
         files.append(tmp_path / f"readme-{b.line}.yaml")
         files[-1].write_text(b.text + "\n")
+    # The spec AGENTS.md shows a coding agent, too: the rulebook's example must be current.
+    rulebook = (REPO / "AGENTS.md").read_text()
+    shown = [b.text for b in readme_blocks(rulebook) if b.lang == "yaml"
+             and "kind: Experiment" in b.text]
+    assert shown, "AGENTS.md shows no Experiment spec"
+    for i, text in enumerate(shown):
+        files.append(tmp_path / f"agents-{i}.yaml")
+        files[-1].write_text(text + "\n")
     files += EXAMPLES
     for f in files:
         doc = yaml.safe_load(f.read_text())
