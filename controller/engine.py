@@ -8,7 +8,7 @@ and the operator alike:
     front end (a file changed, a kopf event, a timer)
         -> Engine.reconcile(name)
              observe: the experiment (StatusStore), its run (a backend), the
-                      master (MasterOfRecord), the ledger, its worktree
+                      master (MasterOfRecord), the ledger, what its check left
              -> reconcile(World) -> Decision(status, intents, events, finalized)
              -> tell the events, write the status, carry out the intents:
                 materialise (checks, duplicate lookup), acquire-slot (the slot
@@ -46,8 +46,14 @@ The policies, decided here once:
   answers by priority, then first come. Capacity is the backend's: the
   machine's GPUs (local), `gpuSlots` jobs at once (Hugging Face; one when
   unset), `gpuSlots` or the cluster's scheduler (Kubernetes).
-- Cleanup. After the ledger row: the worktree goes (the branch of a run
-  stays: it is the experiment DAG) and the backend's objects go
+- Checks at once. A front end with a batch of new specs starts their checks
+  together on the check pool (`precheck`; the operator, whose handlers run
+  passes of many experiments at once, sends every check there); each pass
+  takes its result, then looks up duplicates and claims its candidate under
+  the engine's lock, in the front end's order, against the master it was
+  checked on (else it is checked again).
+- Cleanup. After the ledger row: the candidate's marker goes (the branch of
+  a run stays: it is the experiment DAG) and the backend's objects go
   (`Backend.cleanup`); the status goes only when both are done.
 - Cumulative masters (the rules are the core's; the engine carries them out).
   A queued candidate whose master moved is materialised again onto the
@@ -65,11 +71,14 @@ The policies, decided here once:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
 from controller.core.noise import spread
@@ -86,7 +95,8 @@ from controller.lab.clock import utcnow
 from controller.lab.ledger import Ledger
 from controller.lab.memory import near_duplicates, remember_quietly
 from controller.lab.paths import LabPaths
-from controller.lab.repo import LabRepo, atomic_write, recorded_duplicate
+from controller.lab.repo import (CheckPool, LabRepo, atomic_write, recorded_duplicate,
+                                 shared_check_pool)
 from controller.lab.tracking import track_quietly
 
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
@@ -199,12 +209,15 @@ class Engine:
     local_means: str = "local"              # in a cluster, "local" (the default) means its Jobs
     lab_owner: dict | None = None           # in a cluster: the Lab's ownerReference
     hooks: tuple[Hook, ...] = DEFAULT_HOOKS
+    checks: CheckPool | None = None         # where checks run at once (None: the shared pool)
+    checks_on_pool: bool = False            # every check on the pool, not only `precheck`'s
     repo: LabRepo = field(init=False)
     ledger: Ledger = field(init=False)
     book: SlotBook = field(init=False)
     lock: threading.RLock = field(init=False)  # the lab repo and the master: one at a time
     baseline_failures: dict[str, int] = field(init=False)
     _changes: dict[str, dict[str, str]] = field(init=False)
+    _prechecks: dict[str, tuple[ExperimentSpec, Future]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
@@ -213,6 +226,7 @@ class Engine:
         self.lock = threading.RLock()
         self.baseline_failures = {}
         self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
+        self._prechecks = {}  # experiment -> (the spec, its check started by precheck())
 
     # -- configuration ---------------------------------------------------------------------------
     def set_lab(self, lab: LabSpec) -> None:
@@ -252,6 +266,77 @@ class Engine:
         if hit or c.refusal:
             return hit
         return self.book.claim(name, (c.candidate_hash, c.semantic_hash))
+
+    # -- the pre-run checks -----------------------------------------------------------------------
+    def _pool(self) -> CheckPool:
+        return self.checks or shared_check_pool()
+
+    def precheck(self, observed: Iterable[Observed]) -> int:
+        """Start the pre-run checks of new experiments on the check pool, ahead of their passes.
+
+        Each pass then takes its result instead of checking (`_materialise`), so a batch of
+        new specs is checked on every core while the passes, and with them the duplicate
+        lookups and claims, stay one at a time and in the front end's order. Only experiments
+        whose pass is about to check them are started (Pending, a spec that reads); one alone
+        is checked by its pass. Returns how many were started.
+        """
+        todo: list[tuple[str, ExperimentSpec]] = []
+        for obs in observed:
+            if obs.deleting or obs.status.get("phase") not in (None, PENDING):
+                continue
+            try:
+                spec, _, error = self.spec_of(obs)
+            except Exception:  # its own pass meets the problem and tells it
+                continue
+            if spec is not None and error is None:
+                todo.append((obs.name, spec))
+        if len(todo) < 2:
+            return 0
+        pool = self._pool()
+        for name, spec in todo:
+            self._prechecks[name] = (spec, pool.submit(self.repo, name, spec))
+        return len(todo)
+
+    def drop_prechecks(self) -> None:
+        """Forget the checks no pass took (each has finished: nothing runs on behind the caller).
+
+        What such a check made (a branch, its candidate marker) is cleaned up with its
+        experiment, as after a controller that died between a check and its status.
+        """
+        while self._prechecks:
+            _, (_, future) = self._prechecks.popitem()
+            with contextlib.suppress(Exception):
+                future.result()
+
+    def _materialise(self, name: str, spec: ExperimentSpec) -> tuple[Candidate, str | None]:
+        """The pre-run checks, then the duplicate lookup.
+
+        The checks run outside the engine's lock (on the pool: a check started by `precheck`,
+        or every check where `checks_on_pool`, as in the operator, whose handlers run passes
+        of many experiments at once); the duplicate lookup and the in-flight claim run under
+        it, after `before_checks`, and only if the master is still the one the candidate was
+        checked against; otherwise it is checked again, under the lock, as it always was.
+        """
+        future: Future | None = None
+        kept = self._prechecks.pop(name, None)
+        if kept is not None and kept[0] == spec:
+            future = kept[1]
+        elif self.checks_on_pool:
+            future = self._pool().submit(self.repo, name, spec)
+        if future is not None:
+            try:
+                candidate, against = future.result()
+            except BrokenProcessPool:  # a worker died: check here instead
+                candidate, against = None, None
+            if candidate is not None:
+                with self.lock:
+                    self.master.before_checks()
+                    if against == self.repo.master().commit:
+                        return candidate, self.duplicate_of(name, candidate)
+        with self.lock:
+            self.master.before_checks()
+            candidate = self.repo.materialise(name, spec)
+            return candidate, self.duplicate_of(name, candidate)
 
     # -- the checked spec ---------------------------------------------------------------------------
     def checked_spec(self, key: str) -> dict | None:
@@ -363,10 +448,8 @@ class Engine:
             for intent in decision.intents:
                 a = intent.args
                 if intent.kind == "materialise":
-                    with self.lock:
-                        self.master.before_checks()
-                        candidate = self.repo.materialise(name, spec)
-                        duplicate = self.duplicate_of(name, candidate)
+                    assert spec is not None
+                    candidate, duplicate = self._materialise(name, spec)
                     if not candidate.refusal and spec_doc is not None:
                         self._keep_checked_spec(obs.key, spec_doc)
                         if st.get("phase") == PENDING and spec is not None and not duplicate:

@@ -375,6 +375,19 @@ class LocalLab:
                                  for n, r in records.items()])
         return records
 
+    def _observe_new(self, names: list[str]) -> list[Observed]:
+        """The new experiments as their passes will read them (each under its lock)."""
+        out = []
+        for n in names:
+            try:
+                with self._lock(n):
+                    obs = self.statuses.read(n)
+            except Exception:  # its own pass meets the problem and tells it
+                continue
+            if obs is not None:
+                out.append(obs)
+        return out
+
     def _step(self, loaded: LoadedSpecs) -> "PassSummary":
         failures: list[str | None] = []
         records = self._observe_all()
@@ -387,9 +400,14 @@ class LocalLab:
         #    No slots yet: the new specs' priorities are weighed together in step 2.
         for n in sorted(gone):
             failures.append(self._reconcile_isolated(n, deleting=True))
-        for n in order:
-            if (records.get(n, {}).get("status") or {}).get("phase") in (None, "Pending"):
+        new = [n for n in order
+               if (records.get(n, {}).get("status") or {}).get("phase") in (None, "Pending")]
+        self.engine.precheck(self._observe_new(new))  # checked on every core, taken in order
+        try:
+            for n in new:
                 failures.append(self._reconcile_isolated(n, schedule=False))
+        finally:
+            self.engine.drop_prechecks()
         # 2. the master's baseline, then everything in flight or left to settle
         records = self._observe_all()
         base = self.engine.baseline()

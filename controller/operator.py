@@ -52,6 +52,7 @@ registry it is given.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import hashlib
 import json
@@ -86,6 +87,7 @@ EVENT_NAME_MAX = 253  # a DNS subdomain
 COMPONENT = "autolab-operator"  # who tells the Events (`kubectl describe`'s From)
 USER_AGENT = "autolab-operator/0.1"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+HANDLER_WORKERS = 32  # threads running handlers at once (each mostly waits on I/O)
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -113,7 +115,7 @@ class OperatorConfig:
     run_image: str | None = None   # for Labs without spec.kubernetes.image
     scanning: bool = True          # kopf's namespace/CRD scanning (needs the ClusterRole)
     watch_timeout: float | None = 300.0
-    workers: int | None = None     # threads for the (blocking) handlers; None: kopf's default
+    workers: int | None = None     # threads for the (blocking) handlers; None: HANDLER_WORKERS
 
 
 class LabMissing(LookupError):
@@ -299,11 +301,18 @@ class LabRuntime:
                              statuses=self.statuses, master=ClusterMaster(self),
                              events=ClusterEvents(self), backends={},
                              make_backend=self._make_backend, visible_slots=_no_local_gpus,
-                             local_means="kubernetes",
+                             local_means="kubernetes", checks_on_pool=True,
                              lab_owner=owner_reference(lab_obj)
                              if (lab_obj.get("metadata") or {}).get("uid") else None)
         self.repo = self.engine.repo
         self.ledger = self.engine.ledger
+        if self.spec.backend in ("local", "kubernetes"):
+            # Read once here (one thread), not by the first batch of Jobs at once: every
+            # handler thread missed the cache together and parsed prepare.py in turn.
+            from controller.lab.profiles import profiles
+
+            with contextlib.suppress(Exception):
+                profiles()
 
     def _make_backend(self, name: str) -> Any:
         if name == "kubernetes":
@@ -415,6 +424,9 @@ class Operator:
                     kconfig.load_incluster_config(client_configuration=cfg)
                 except kconfig.ConfigException:
                     kconfig.load_kube_config(client_configuration=cfg)
+            # One connection per handler thread (urllib3 drops what does not fit its pool).
+            cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize,
+                                              self.config.workers or HANDLER_WORKERS)
             api = client.ApiClient(cfg)
             api.user_agent = USER_AGENT  # tells our calls apart in the API server's audit log
             self.kube = Kube(api)
@@ -550,10 +562,12 @@ class Operator:
         return rt
 
     def _mirror_lab(self, rt: LabRuntime) -> None:
-        """The Lab's status: the master of record and the runs in flight."""
-        rec = rt.store.read()
-        if rec is None:
-            return
+        """The Lab's status: the master of record and the runs in flight.
+
+        The master as read at most MASTER_MAX_AGE ago: a promotion or a baseline refreshes
+        it before it tells the Lab, and a phase change (most calls) does not move it.
+        """
+        rec = rt.master_record()
         d = rec.doc
         status: dict[str, Any] = {
             "master": {"hash": d["hash"][:12], "fullHash": d["hash"], "val_bpb": d.get("val_bpb"),
@@ -610,8 +624,12 @@ class Operator:
         settings.watching.label_selectors[("v1", "pods")] = selector
         settings.watching.server_timeout = self.config.watch_timeout
         settings.scanning.disabled = not self.config.scanning
-        if self.config.workers:
-            settings.execution.max_workers = self.config.workers
+        # Passes wait on the API server and the check pool far more than they compute: kopf's
+        # default (cores + 4 threads) let ~15 of them a second through on 2 cores.
+        settings.execution.max_workers = self.config.workers or HANDLER_WORKERS
+        from controller.lab.repo import shared_check_pool
+
+        shared_check_pool().start()  # the pre-run checks' processes, ready for the first spec
 
     def login(self, **_: Any) -> Any:
         import kopf

@@ -73,7 +73,8 @@ def test_branches_stay_for_runs_and_worktrees_go(demo_lab):
     assert "autolab/exp/improve-lr" in branches and "autolab/master" in branches
     assert "autolab/exp/touch-prepare" not in branches
     assert "autolab/exp/repeat-improve" not in branches
-    assert not list((demo_lab / ".autolab" / "worktrees").iterdir())
+    for leftovers in ("candidates", "worktrees"):  # a checked candidate's marker (issue 15)
+        assert not list((demo_lab / ".autolab" / leftovers).glob("*"))
     msg = subprocess.run(["git", "log", "-1", "--format=%B", "autolab/exp/improve-lr"],
                          cwd=demo_lab, capture_output=True, text=True).stdout
     assert "Autolab-Experiment: improve-lr" in msg and "Autolab-Campaign: learning-rate" in msg

@@ -1,14 +1,21 @@
-"""The lab repo: git branches and worktrees for candidates, the master and its history.
+"""The lab repo: git branches for candidates, the master and its history.
 
-Every experiment is materialised in a worktree `.autolab/worktrees/<name>`
-checked out at the master it was written against; its diff is applied by
-`git apply` (arguments as a list, the diff on stdin: no shell ever sees a
-user's string) and committed with the hypothesis as the message and trailers
-naming the experiment, campaign and parent. If the master moved on, that
-commit is cherry-picked onto the current master: a clean three-way merge
-rebases it, a conflict refuses it with the failing hunk. The commit stays on
-branch `autolab/exp/<name>` (the experiment DAG); the worktree goes when the
-run ends.
+Every experiment is materialised without a worktree, in git's object store:
+its diff is applied by `git apply --cached` to a temporary index holding the
+master it was written against (arguments as a list, the diff on stdin: no
+shell ever sees a user's string), and committed (`commit-tree`) with the
+hypothesis as the message and trailers naming the experiment, campaign and
+parent. If the master moved on, that commit is rebased onto the current
+master as cherry-pick would (`git merge-tree --write-tree`, a three-way merge
+based on the parent): a clean merge rebases it, a conflict refuses it with
+the failing hunk. The candidate's bytes are read from the commit; the commit
+stays on branch `autolab/exp/<name>` (the experiment DAG), and a marker
+`.autolab/candidates/<name>` says that a cleanup is owed until the run ends.
+No check shares a file with another, so many run at once (`CheckPool`: the
+engine's pool of checking processes), and none checks out files: a check is
+four or five short git processes (apply, write-tree, commit-tree, branch, and
+a cat-file outside the pool) where `git worktree add`/`remove` alone took ~30
+ms (issue 15).
 
 The master is branch `autolab/master` plus `research/live/master.json`, which
 holds its hashes, its metric and the history of masters (so a spec's `parent`
@@ -21,12 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool as BrokenExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from filelock import FileLock
 
@@ -80,6 +92,7 @@ class LabRepo:
         self.master_file = self.paths.master_file
         self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
         self._indexes: dict[str, bytes] = {}  # commit -> an index of its tree (see _index_of)
+        self._reader: _BlobReader | None = None  # a check pool's worker reads through one
 
     # -- git -----------------------------------------------------------------------------------
     def git(self, *args: str, cwd: Path | None = None, input: str | None = None,
@@ -212,23 +225,24 @@ class LabRepo:
                               input=_stripspace(message).encode("utf-8")).stdout.decode().strip()
 
     def _blob(self, tree: str) -> bytes:
+        if self._reader is not None:
+            return self._reader.read(f"{tree}:{self.lab.surface}")
         return self.git_bytes("cat-file", "blob", f"{tree}:{self.lab.surface}").stdout
 
     def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
         """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""
         return self.check(name, spec)[0]
 
-    def check(self, name: str, spec: ExperimentSpec) -> tuple[Candidate, str | None]:
-        """`materialise`, and the master commit it was checked against (None: refused before
-        the master mattered). Safe to call for different names at once (threads, processes):
+    def check(self, name: str, spec: ExperimentSpec) -> tuple[Candidate, str]:
+        """`materialise`, and the commit of the master it was checked against. Safe to call for different names at once (threads, processes):
         each check has its own temporary index, and git writes objects and refs atomically."""
         surface = self.lab.surface
+        master = self.master()
         try:
             diff = parse_surface_diff(spec.diff, surface)
             parent = self.resolve_parent(spec.parent)
         except DiffRefused as e:
-            return Candidate(refusal="Invalid", reason=e.reason, message=str(e)), None
-        master = self.master()
+            return Candidate(refusal="Invalid", reason=e.reason, message=str(e)), master.commit
         self._remove_worktree(name)
         with tempfile.TemporaryDirectory(prefix="autolab-check-") as d:
             index = os.path.join(d, "index")
@@ -323,6 +337,131 @@ class LabRepo:
     def source_of(self, commit: str) -> str:
         """The surface file as it is in `commit` (a master's, for its confirm runs)."""
         return self.git("show", f"{commit}:{self.lab.surface}").stdout
+
+
+# -- the checks of many candidates at once ---------------------------------------------------------
+
+CHECK_WORKERS = max(1, min(8, os.cpu_count() or 1))  # processes checking candidates at once
+_WORKER_REPOS: dict[str, LabRepo] = {}  # in a worker: the labs it checked last, newest last
+_WORKER_REPOS_MAX = 8
+
+
+class _BlobReader:
+    """One `git cat-file --batch` for the life of a worker: a blob without a process each."""
+
+    def __init__(self, root: Path):
+        self.proc = subprocess.Popen(["git", *GIT_ID, "cat-file", "--batch"], cwd=root,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self.lock = threading.Lock()
+
+    def read(self, what: str) -> bytes:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            self.proc.stdin.write(what.encode("utf-8") + b"\n")
+            self.proc.stdin.flush()
+            header = self.proc.stdout.readline().split()
+            if len(header) != 3 or header[1] != b"blob":
+                raise GitError(f"git cat-file blob {what}: {b' '.join(header).decode()}")
+            data = self.proc.stdout.read(int(header[2]))
+            self.proc.stdout.read(1)  # the newline after the object
+            return data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # cat-file ends at the end of its input
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def _check_in_worker(root: str, lab: LabSpec, name: str,
+                     spec: ExperimentSpec) -> tuple[Candidate, str]:
+    repo = _WORKER_REPOS.pop(root, None)
+    if repo is None:
+        repo = LabRepo(root, lab)
+        repo._reader = _BlobReader(repo.root)
+    _WORKER_REPOS[root] = repo
+    while len(_WORKER_REPOS) > _WORKER_REPOS_MAX:  # a long test session sees many labs
+        old = _WORKER_REPOS.pop(next(iter(_WORKER_REPOS)))
+        if old._reader is not None:
+            old._reader.close()
+    repo.lab = lab  # as the engine's repo (`Engine.set_lab`)
+    return repo.check(name, spec)
+
+
+class CheckPool:
+    """Worker processes that run `LabRepo.check` for many candidates at once.
+
+    A check is git subprocesses (free to overlap) and Python's compile and AST hash
+    (~20 ms of CPU that holds the GIL), so threads would run the Python half one at a
+    time: processes use every core. They start on the first check (spawned: the
+    operator's process has threads, which fork does not mix with) and serve every
+    lab of this process. `executor` puts threads in their place (a test's: they run the
+    caller's `LabRepo.check`); `task` is what runs a check in a process (a benchmark
+    times it).
+    """
+
+    def __init__(self, workers: int = CHECK_WORKERS, executor: Executor | None = None,
+                 task: Callable[[str, LabSpec, str, ExperimentSpec],
+                                tuple[Candidate, str]] = _check_in_worker):
+        self.workers = workers
+        self.task = task
+        self._executor = executor
+        self._own = executor is None
+        self._lock = threading.Lock()
+
+    def _started(self) -> Executor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+            return self._executor
+
+    def start(self) -> None:
+        """Start every worker now (in the background), not on the first checks."""
+        executor = self._started()
+        for _ in range(self.workers):
+            with contextlib.suppress(BrokenExecutor, RuntimeError):
+                executor.submit(int)
+
+    def submit(self, repo: LabRepo, name: str, spec: ExperimentSpec) -> Future:
+        """Start the check of `name`; its future gives what `LabRepo.check` returns."""
+        executor = self._started()
+        try:
+            if not self._own:  # threads (a test's): the caller's repo itself
+                return executor.submit(repo.check, name, spec)
+            return executor.submit(self.task, str(repo.root), repo.lab, name, spec)
+        except (BrokenExecutor, RuntimeError):  # a worker died (or the pool was shut down)
+            if self._own:
+                with self._lock:
+                    if self._executor is executor:
+                        self._executor = None  # the next check starts a new pool
+            future: Future = Future()
+            try:
+                future.set_result(repo.check(name, spec))
+            except Exception as e:
+                future.set_exception(e)
+            return future
+
+    def shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
+_SHARED: CheckPool | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_check_pool() -> CheckPool:
+    """The process's one pool of checking processes (started on its first check)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = CheckPool()
+        return _SHARED
 
 
 def _stripspace(message: str) -> str:
