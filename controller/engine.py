@@ -75,6 +75,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -139,8 +140,12 @@ class MasterOfRecord(Protocol):
 
     def source(self) -> str: ...
 
-    def before_checks(self) -> None:
-        """Bring the lab repo's master in step before a candidate is checked against it."""
+    def before_checks(self, asked_at: float | None = None) -> None:
+        """Bring the lab repo's master in step before a candidate is checked against it.
+
+        Called under the engine's lock. `asked_at` (time.monotonic()) is when the check asked:
+        a bringing in step begun since then (under the same lock) is as fresh as a new one.
+        """
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
@@ -329,12 +334,14 @@ class Engine:
             except BrokenProcessPool:  # a worker died: check here instead
                 candidate, against = None, None
             if candidate is not None:
+                asked_at = time.monotonic()
                 with self.lock:
-                    self.master.before_checks()
+                    self.master.before_checks(asked_at)
                     if against == self.repo.master().commit:
                         return candidate, self.duplicate_of(name, candidate)
+        asked_at = time.monotonic()
         with self.lock:
-            self.master.before_checks()
+            self.master.before_checks(asked_at)
             candidate = self.repo.materialise(name, spec)
             return candidate, self.duplicate_of(name, candidate)
 

@@ -154,7 +154,7 @@ class LocalMaster:
     def source(self) -> str:
         return self.lab.repo.master_source()
 
-    def before_checks(self) -> None:
+    def before_checks(self, asked_at: float | None = None) -> None:
         pass  # the lab repo is the master of record here
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,

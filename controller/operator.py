@@ -222,7 +222,11 @@ class ClusterMaster:
     def source(self) -> str:
         return self.rt.master_record().source
 
-    def before_checks(self) -> None:
+    def before_checks(self, asked_at: float | None = None) -> None:
+        # Many handler threads ask at once: one read of the ConfigMap begun after a thread
+        # asked serves it as well as its own would (each read and sync is under the lock).
+        if asked_at is not None and self.rt.synced_from >= asked_at:
+            return
         self.rt.sync()
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
@@ -289,6 +293,7 @@ class LabRuntime:
         self.spec = LabSpec.from_dict(lab_obj.get("spec") or {})
         self.mirrored: dict | None = None
         self._master: tuple[float, MasterRecord | None] = (0.0, None)
+        self.synced_from = float("-inf")  # when the read of the last sync() began (monotonic)
         paths = LabPaths.of(self.root)
         if not paths.lab_file.exists():
             object_log(namespace, self.name, "Lab").info("creating the lab repo in %s", self.root)
@@ -358,9 +363,11 @@ class LabRuntime:
         from controller.kube.cluster import sync_repo_master
 
         with self.engine.lock:
+            started = time.monotonic()
             rec = self.store.ensure(self.repo)
             sync_repo_master(self.repo, rec)
             self._master = (time.monotonic(), rec)
+            self.synced_from = started
             return rec
 
     def master_record(self, max_age: float = MASTER_MAX_AGE) -> "MasterRecord":

@@ -126,3 +126,29 @@ def test_commit_messages_are_cleaned_as_git_commit_cleans_them(message, tmp_path
         ["git", "stripspace"], input=(message + "\n\nAutolab-Experiment: x").encode(),
         capture_output=True, cwd=tmp_path).stdout.decode()
     assert _stripspace(message) == expected
+
+
+def test_a_check_in_a_worker_process_is_the_check_made_here(lab):
+    """The pool's processes read blobs and move branches through long-lived git processes;
+    what they give is what a check in the caller's process gives, refusals included."""
+    docs = [spec_from_edit(lab, "in-pool", "SEED = 42", "SEED = 11"),
+            spec_from_edit(lab, "refused", "SEED = 42", "SEED = (")]
+    pool = CheckPool(workers=1)
+    try:
+        there = [pool.submit(lab.repo, d["metadata"]["name"],
+                             ExperimentSpec.from_dict(d["spec"])).result(timeout=60)
+                 for d in docs]
+    finally:
+        pool.shutdown()
+    pooled = {d["metadata"]["name"]: lab.repo.candidate_source(d["metadata"]["name"])
+              for d in docs[:1]}
+    here = [lab.repo.check(d["metadata"]["name"] + "-here", ExperimentSpec.from_dict(d["spec"]))
+            for d in docs]
+    for (a, master_a), (b, master_b) in zip(there, here):
+        assert master_a == master_b == lab.repo.master().commit
+        assert (a.refusal, a.reason, a.message, a.candidate_hash, a.semantic_hash,
+                a.parent_hash) == (b.refusal, b.reason, b.message, b.candidate_hash,
+                                   b.semantic_hash, b.parent_hash)
+    assert there[1][0].reason == "CompileError"
+    assert pooled["in-pool"] == lab.repo.candidate_source("in-pool-here")
+    assert lab.repo.has_worktree("in-pool") and not lab.repo.has_worktree("refused")

@@ -130,6 +130,8 @@ def main() -> None:
         own[name] += time.perf_counter() - t
         candidates[name] = c
     wall = time.perf_counter() - t_all
+    last = f"perf-{a.specs - 1}"  # each candidate is on its branch, as the checks made it
+    assert f"EXPERIMENT_TAG_{a.specs - 1} = " in lab.repo.candidate_source(last)
     checks = {}
     for line in Path(os.environ[TIMES]).read_text().splitlines():
         name, seconds = line.split()

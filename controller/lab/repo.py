@@ -13,8 +13,9 @@ stays on branch `autolab/exp/<name>` (the experiment DAG), and a marker
 `.autolab/candidates/<name>` says that a cleanup is owed until the run ends.
 No check shares a file with another, so many run at once (`CheckPool`: the
 engine's pool of checking processes), and none checks out files: a check is
-four or five short git processes (apply, write-tree, commit-tree, branch, and
-a cat-file outside the pool) where `git worktree add`/`remove` alone took ~30
+three short git processes in a pool's worker (apply, write-tree,
+commit-tree; it reads blobs and moves branches through a `cat-file --batch`
+and an `update-ref --stdin` that live as long as it does) where `git worktree add`/`remove` alone took ~30
 ms (issue 15).
 
 The master is branch `autolab/master` plus `research/live/master.json`, which
@@ -92,7 +93,8 @@ class LabRepo:
         self.master_file = self.paths.master_file
         self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
         self._indexes: dict[str, bytes] = {}  # commit -> an index of its tree (see _index_of)
-        self._reader: _BlobReader | None = None  # a check pool's worker reads through one
+        self._reader: _BlobReader | None = None  # a check pool's worker reads through one,
+        self._refs: _RefWriter | None = None      # and moves branches through one
 
     # -- git -----------------------------------------------------------------------------------
     def git(self, *args: str, cwd: Path | None = None, input: str | None = None,
@@ -301,7 +303,10 @@ class LabRepo:
         marker = self.candidate_marker(name)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(commit + "\n")
-        self.git("branch", "-f", f"autolab/exp/{name}", commit)
+        if self._refs is not None:
+            self._refs.point(f"refs/heads/autolab/exp/{name}", commit)
+        else:
+            self.git("branch", "-f", f"autolab/exp/{name}", commit)
         return Candidate(candidate_hash=candidate_hash(source), semantic_hash=sem,
                          parent_hash=base["hash"], rebased_from=rebased_from, commit=commit,
                          changed_lines=len(diff.added) + len(diff.removed)), master.commit
@@ -375,17 +380,56 @@ class _BlobReader:
             self.proc.wait(5)
 
 
+class _RefWriter:
+    """One `git update-ref --stdin` for the life of a worker: a transaction per branch moved."""
+
+    def __init__(self, root: Path):
+        self.proc = subprocess.Popen(["git", *GIT_ID, "update-ref", "--stdin"], cwd=root,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self.lock = threading.Lock()
+
+    def point(self, ref: str, commit: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            try:
+                self.proc.stdin.write(f"start\nupdate {ref} {commit}\ncommit\n".encode())
+                self.proc.stdin.flush()
+                said = [self.proc.stdout.readline(), self.proc.stdout.readline()]
+            except OSError:
+                said = []
+            if said != [b"start: ok\n", b"commit: ok\n"]:
+                why = b"".join(said).decode("utf-8", "replace")
+                if self.proc.poll() is not None or not said:  # git said why, then ended
+                    assert self.proc.stderr is not None
+                    why += self.proc.stderr.read().decode("utf-8", "replace")
+                raise GitError(f"git update-ref {ref} {commit}: {why.strip()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
 def _check_in_worker(root: str, lab: LabSpec, name: str,
                      spec: ExperimentSpec) -> tuple[Candidate, str]:
     repo = _WORKER_REPOS.pop(root, None)
     if repo is None:
         repo = LabRepo(root, lab)
         repo._reader = _BlobReader(repo.root)
+    if repo._refs is None or not repo._refs.alive():  # one that failed has ended: anew
+        repo._refs = _RefWriter(repo.root)
     _WORKER_REPOS[root] = repo
     while len(_WORKER_REPOS) > _WORKER_REPOS_MAX:  # a long test session sees many labs
         old = _WORKER_REPOS.pop(next(iter(_WORKER_REPOS)))
-        if old._reader is not None:
-            old._reader.close()
+        for helper in (old._reader, old._refs):
+            if helper is not None:
+                helper.close()
     repo.lab = lab  # as the engine's repo (`Engine.set_lab`)
     return repo.check(name, spec)
 
