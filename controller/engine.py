@@ -326,7 +326,10 @@ class Engine:
         kept = self._prechecks.pop(name, None)
         if kept is not None and kept[0] == spec:
             future = kept[1]
-        elif self.checks_on_pool:
+        elif kept is not None:  # of another spec: let it end before its branch is made anew
+            with contextlib.suppress(Exception):
+                kept[1].result()
+        if future is None and self.checks_on_pool:
             future = self._pool().submit(self.repo, name, spec)
         if future is not None:
             try:

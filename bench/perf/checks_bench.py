@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=10000)
     ap.add_argument("--workers", type=int, default=CHECK_WORKERS, help="checking processes")
     a = ap.parse_args()
+    load = [round(x, 2) for x in os.getloadavg()]  # others' work on the machine skews it all
     tmp = Path(tempfile.mkdtemp(prefix="autolab-perf-"))
     os.environ[TIMES] = str(tmp / "check-times.txt")
     lab = init_lab(tmp / "lab", profile="tiny", data="synthetic")
@@ -144,6 +145,7 @@ def main() -> None:
         lookups.append(time.perf_counter() - t)
     pool.shutdown()
     q = statistics.quantiles(times, n=20)
+    print(f"load average at the start: {load}")
     print(f"specs: {a.specs}  ledger rows: {a.rows}  workers: {a.workers}  "
           f"checked on the pool: {started}  duplicates found: {dups}")
     print(f"all {a.specs} specs: {wall:.1f} s wall ({wall / a.specs * 1e3:.1f} ms a spec)")
