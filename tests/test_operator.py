@@ -158,13 +158,14 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 @contextlib.asynccontextmanager
-async def operator(c: Cluster) -> AsyncIterator[Operator]:
+async def operator(c: Cluster, resync_seconds: float = 0.3) -> AsyncIterator[Operator]:
     """A real kopf operator, on its own event loop in a thread, talking HTTP to the emulator.
 
     Stopping it cancels it, as a crash would; its handler threads are waited for, so nothing
-    of it is left writing when the next one starts.
+    of it is left writing when the next one starts. resync_seconds: `autolab operator`'s is 30,
+    for a test that must not be rescued by a resync.
     """
-    op = Operator(OperatorConfig(lab_root=c.root, resync_seconds=0.3, retry_seconds=0.3,
+    op = Operator(OperatorConfig(lab_root=c.root, resync_seconds=resync_seconds, retry_seconds=0.3,
                                  server=c.url, scanning=False, watch_timeout=None))
     registry = register(op, kopf.OperatorRegistry())
     settings = kopf.OperatorSettings()

@@ -8,3 +8,14 @@ export AUTOLAB_CACHE=${AUTOLAB_CACHE:-/tmp/autolab-cache}
 OUTDIR=${OUT:-/tmp/autolab-gpu-out}
 mkdir -p "$OUTDIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# prepare_corpus MKCORPUS: the mkcorpus.py corpus in $DATA (unless there) and its prepared
+# shards in $AUTOLAB_CACHE, each step timed.
+prepare_corpus() {
+  local t0
+  t0=$(date +%s)
+  [ -f "$DATA/shard_06542.parquet" ] || $PY "$1" "$SITE" "$DATA" --max-mb 1500 >/dev/null
+  echo "mkcorpus: $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s)
+  $PY bench/prepare.py --source "dir:$DATA" | tail -1
+  echo "prepare: $(( $(date +%s) - t0 )) s"
+}

@@ -12,12 +12,7 @@ set -euo pipefail
 BUDGET=${1:-60}; RUNS=${2:-4}; MKCORPUS=$3
 . "$(dirname "$0")/gpu_env.sh"
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-t0=$(date +%s)
-[ -f "$DATA/shard_06542.parquet" ] || $PY "$MKCORPUS" "$SITE" "$DATA" --max-mb 1500 >/dev/null
-echo "mkcorpus: $(( $(date +%s) - t0 )) s"
-t0=$(date +%s)
-$PY bench/prepare.py --source "dir:$DATA" | tail -1
-echo "prepare: $(( $(date +%s) - t0 )) s"
+prepare_corpus "$MKCORPUS"
 for seed in $(seq 0 $((RUNS - 1))); do
   $PY -I bench/run.py --candidate bench/train.py --result "$OUTDIR/seed-$seed.json" \
       --source "dir:$DATA" --budget "$BUDGET" --seed "$seed" --log "$OUTDIR/seed-$seed.log" \

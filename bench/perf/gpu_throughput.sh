@@ -18,12 +18,7 @@ if [ -d .whl ] && ! $PY -c "import jsonschema" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-index --target /tmp/autolab-pydeps .whl/*.whl
   export PYTHONPATH=/tmp/autolab-pydeps${PYTHONPATH:+:$PYTHONPATH}
 fi
-t0=$(date +%s)
-[ -f "$DATA/shard_06542.parquet" ] || $PY "$MKCORPUS" "$SITE" "$DATA" --max-mb 1500 >/dev/null
-echo "mkcorpus: $(( $(date +%s) - t0 )) s"
-t0=$(date +%s)
-$PY bench/prepare.py --source "dir:$DATA" | tail -1
-echo "prepare: $(( $(date +%s) - t0 )) s"
+prepare_corpus "$MKCORPUS"
 export AUTOLAB_TRACKING=${AUTOLAB_TRACKING:-0}  # trackio is not on the GPU image
 $PY bench/perf/lab_throughput.py --data "dir:$DATA" --budget "$BUDGET" --experiments "$EXPERIMENTS" \
     --lab "$OUTDIR/lab" --unsafe-no-sandbox

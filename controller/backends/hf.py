@@ -65,7 +65,6 @@ must not hold credentials. Only the prepare job gets it, as a secret.
 from __future__ import annotations
 
 import base64
-import binascii
 import email.utils
 import gzip
 import hashlib
@@ -82,7 +81,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import httpx2
 import yaml
@@ -193,13 +192,12 @@ def timeout_seconds(timeout: str) -> int:
     return int(float(t))
 
 
-def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
-                         candidate_sha1: str | None = None) -> dict | None:
-    """The harness result of the last line signed with `key` for `run` (and, when given, for
-    the candidate with this sha1); None if no line is."""
-    found = None
+def _signed_payloads(lines: Iterable[str], pattern: re.Pattern, key: bytes,
+                     run: str) -> Iterator[dict]:
+    """The JSON objects of the lines `pattern` finds whose HMAC verifies under `key` and that
+    name `run`, in order. `pattern`'s groups: version, base64 payload, hex MAC."""
     for line in lines:
-        m = SIGNED_LINE.search(line)
+        m = pattern.search(line)
         if not m:
             continue
         version, b64, mac = m.groups()
@@ -208,10 +206,19 @@ def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
             continue
         try:
             payload = json.loads(base64.urlsafe_b64decode(b64.encode()))
-        except ValueError:
+        except ValueError:  # binascii.Error and JSONDecodeError are ValueErrors
             continue
-        if not isinstance(payload, dict) or payload.get("run") != run \
-                or not isinstance(payload.get("result"), dict):
+        if isinstance(payload, dict) and payload.get("run") == run:
+            yield payload
+
+
+def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
+                         candidate_sha1: str | None = None) -> dict | None:
+    """The harness result of the last line signed with `key` for `run` (and, when given, for
+    the candidate with this sha1); None if no line is."""
+    found = None
+    for payload in _signed_payloads(lines, SIGNED_LINE, key, run):
+        if not isinstance(payload.get("result"), dict):
             continue
         result = payload["result"]
         measured = result.get("candidate_sha1")
@@ -307,20 +314,7 @@ def verify_signed_curve(lines: Iterable[str], key: bytes | None, run: str) -> li
         return []
     parts: dict[int, list] = {}
     total = None
-    for line in lines:
-        m = CURVE_LINE.search(line)
-        if not m:
-            continue
-        version, b64, mac = m.groups()
-        want = hmac.new(key, f"{version} {b64}".encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, mac):
-            continue
-        try:
-            payload = json.loads(base64.urlsafe_b64decode(b64.encode()))
-        except (ValueError, binascii.Error):
-            continue
-        if not isinstance(payload, dict) or payload.get("run") != run:
-            continue
+    for payload in _signed_payloads(lines, CURVE_LINE, key, run):
         part, n, points = payload.get("part"), payload.get("parts"), payload.get("points")
         if not (_is_int(part) and _is_int(n) and 0 <= part < n <= MAX_CURVE_LINES
                 and isinstance(points, list)):
