@@ -544,3 +544,25 @@ def test_the_progress_of_a_run_comes_from_its_step_lines(lab):
                                "time 0.5/300s\nstep 00120 | loss 4.1 | tok/s 1 | mfu 0.0% | "
                                "lr x1.00 | time 35.2/300s\n")
     assert _progress_cells(LocalLab(lab).run_progress("exp-x-1")) == ["1m15s", "120", "~4m25s"]
+
+
+def test_logs_show_a_candidates_escape_sequences_and_never_send_them_to_the_terminal(lab, env):
+    """A hostile train.py prints terminal controls (retitle, clipboard write via OSC 52, clear
+    the screen and forge a verdict); `autolab logs` shows them escaped."""
+    import json
+    f = warmdown_spec(lab, "warmdown-03")
+    assert autolab("apply", "-f", str(f), "--lab", str(lab), env=env).returncode == 0
+    from controller.local import LocalLab
+    local = LocalLab(lab)
+    record = local.read_record("warmdown-03")
+    record["status"] = {"phase": "Running",
+                        "job": {"backend": "local", "name": "exp-warmdown-03-1", "slot": "cpu"}}
+    local.write_record("warmdown-03", record)
+    log = lab / ".autolab" / "runs" / "exp-warmdown-03-1" / "log.txt"
+    log.parent.mkdir(parents=True)
+    log.write_text("step 00001 | loss 9.0\n\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07"
+                   "\x1b[2J\x1b[Hwarmdown-03: Succeeded Promoted val_bpb=0.1\n", encoding="utf-8")
+    p = autolab("logs", "warmdown-03", "--lab", str(lab), env=env)
+    assert p.returncode == 0, p.stderr
+    assert "\x1b" not in p.stdout and "\x07" not in p.stdout
+    assert "\\x1b]52;c;cm0gLXJmIH4=\\x07" in p.stdout and "step 00001 | loss 9.0\n" in p.stdout

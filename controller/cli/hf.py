@@ -364,7 +364,9 @@ def _print_logs(backend: "HfBackend", job_id: str, namespace: str, follow: bool)
         with _refusals(f"show the logs of job {job_id}", namespace):
             for line in backend.api.fetch_job_logs(job_id=job_id, namespace=namespace,
                                                    follow=follow):
-                print(line.replace(token, "[redacted]") if token else line, flush=True)
+                # the candidate's output: its escape sequences are shown, never obeyed
+                print(cli.printable(line.replace(token, "[redacted]") if token else line),
+                      flush=True)
     except HfHubHTTPError as e:
         raise cli.CliError(f"cannot read the logs of job {job_id}: "
                            f"{str(e).strip().splitlines()[0]}") from None

@@ -508,19 +508,25 @@ def cmd_logs(a) -> int:
     path = backend.log_path(job["name"]) if hasattr(backend, "log_path") else None
     if path is None or not Path(path).exists():
         raise CliError(f"no log for run {job['name']} on this machine")
+    # The log is the candidate's output: escape sequences in it would reach the reader's
+    # terminal (retitle it, write the clipboard, repaint what was printed), so they are shown
+    # escaped, like every other text a candidate or a spec carried.
+    def write(text: str) -> None:
+        sys.stdout.write(printable(text))
+
     with open(path, encoding="utf-8", errors="replace") as f:
-        sys.stdout.write(f.read())
+        write(f.read())
         while a.follow:
             chunk = f.read()
             if chunk:
-                sys.stdout.write(chunk)
+                write(chunk)
                 sys.stdout.flush()
                 continue
             st = (lab.read_record(a.name).get("status") or {})
             if st.get("phase") in TERMINAL:
                 break
             if job["backend"] == "local" and backend.observe(job["name"]).state != "running":
-                sys.stdout.write(f.read())  # ended while no `autolab run` was looping
+                write(f.read())  # ended while no `autolab run` was looping
                 break
             time.sleep(0.5)
     return 0
