@@ -710,7 +710,21 @@ class OperatorDriver:
                     in_flight += 1
         if waiting and val is not None and in_flight < SLOTS:
             return f"{waiting} wait with a slot free"
+        if val is None and not any(uid not in self.finished for uid, job in uids.items() if (
+                job["metadata"].get("labels") or {}).get(LABEL_BASELINE)) and not self.gave_up():
+            # An unmeasured master with no baseline in flight: the operator is about to try
+            # (again); a busy core may take longer than QUIET to get there (CI saw it).
+            return "the baseline is to be tried (again)"
         return None
+
+    def gave_up(self) -> bool:
+        lab = self.c.get("autolab.dev/v1alpha1/labs", LAB_NAME) or {}
+        return any(c.get("reason") == "BaselineFailed" and c.get("status") == "False"
+                   for c in (lab.get("status") or {}).get("conditions") or [])
+
+    def lab_status_writes(self) -> int:
+        return sum(1 for r in self.c.em.requests if r.method == "PATCH" and r.resource is not None
+                   and r.resource.plural == "labs" and r.subresource == "status")
 
     async def settle(self, quiet: float = QUIET) -> None:
         if self.stack is None:
@@ -795,8 +809,13 @@ class OperatorDriver:
 
     # -- the steps --
     async def up(self) -> None:
+        writes = self.lab_status_writes()
         self.stack = contextlib.AsyncExitStack()
         await self.stack.enter_async_context(operator(self.c))
+        # Until the new operator has handled the Lab, its status is the old one's (a baseline
+        # that failed for good, say): settled would be read off stale words.
+        await self.c.until("the new operator's Lab status", lambda: (
+            self.lab_status_writes() > writes), timeout=WAIT)
 
     async def down(self) -> None:
         if self.stack is not None:
@@ -863,9 +882,7 @@ class OperatorDriver:
         t.ledger = project(self.c.ledger(LAB_NAME))
         t.history = history_of(self.lab_dir) if (self.lab_dir / "research").exists() else []
         t.runs = count_runs(self.submitted())
-        lab = self.c.get("autolab.dev/v1alpha1/labs", LAB_NAME) or {}
-        t.gave_up = any(c.get("reason") == "BaselineFailed" and c.get("status") == "False"
-                        for c in (lab.get("status") or {}).get("conditions") or [])
+        t.gave_up = self.gave_up()
         return t
 
     def snap(self, step: str) -> None:
@@ -921,8 +938,13 @@ def agreement_problems(local: Transcript, remote: Transcript) -> list[str]:
         if isinstance(a, list) and isinstance(b, list):
             only_a = [x for x in a if x not in b]
             only_b = [x for x in b if x not in a]
+            # The same items in another order or number: say where the two lists part.
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             out.append(f"the front ends disagree on {part}:\n    local only:    {only_a}\n"
-                       f"    operator only: {only_b}")
+                       f"    operator only: {only_b}\n"
+                       f"    first difference at item {at} of {len(a)} (local) and {len(b)} "
+                       f"(operator):\n      local:    {a[at:at + 2]}\n"
+                       f"      operator: {b[at:at + 2]}")
         else:
             out.append(f"the front ends disagree on {part}:\n    local:    {a}\n"
                        f"    operator: {b}")
