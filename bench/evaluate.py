@@ -64,7 +64,7 @@ the candidate made that it reads, and it treats it as hostile:
    default profile scores 5120 rows of 2048).
 
 It writes one JSON object to --out: {"ok": true, "val_bpb", "num_params",
-"eval_seconds", "device", "reason_code": "Succeeded", "causality_max_nats"} or {"ok": false,
+"eval_seconds", "device", "reason_code": "Succeeded", "causality_max_nats", "stage_seconds"} or {"ok": false,
 "blame": "candidate"|"harness", "reason", "reason_code"}. "harness" means the
 fault is not the candidate's (e.g. no GPU for a program exported on one):
 the run is an infrastructure error.
@@ -611,29 +611,70 @@ def _moved(a, b):
 # 4. Putting it together
 
 
+class Stages:
+    """Seconds per stage of one evaluation, in order: where the evaluator's time goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + now - self._last, 2)
+        self._last = now
+
+
 def read_data(data_dir: Path, val_sha256: str, token_bytes_sha256: str):
     import numpy as np
 
     val_bytes = (data_dir / "val.bin").read_bytes()
     if hashlib.sha256(val_bytes).hexdigest() != val_sha256:
-        raise Failure("candidate", f"{data_dir / 'val.bin'} changed during the run; the result is void", DATA_TAMPERED)
+        raise Failure("candidate", f"{data_dir / 'val.bin'} does not match the sha256 its manifest records (it "
+                                   "changed since it was prepared); the result is void", DATA_TAMPERED)
     tb_bytes = (data_dir / "token_bytes.npy").read_bytes()
     if hashlib.sha256(tb_bytes).hexdigest() != token_bytes_sha256:
-        raise Failure("candidate", f"{data_dir / 'token_bytes.npy'} changed during the run; the result is void",
-                      DATA_TAMPERED)
+        raise Failure("candidate", f"{data_dir / 'token_bytes.npy'} does not match the sha256 its manifest "
+                                   "records (it changed since it was prepared); the result is void", DATA_TAMPERED)
     return np.frombuffer(val_bytes, dtype=np.uint16), np.load(io.BytesIO(tb_bytes), allow_pickle=False)
 
 
+def get_ready(data_dir: Path, val_sha256: str, token_bytes_sha256: str) -> tuple[Any, Any, dict[str, float]]:
+    """What needs no export: torch imported, the GPU opened, the validation data read and checked.
+
+    The harness starts the evaluator this far while the candidate is still starting up
+    (--export-dir -), so these seconds are not spent after training. Returns the tokens,
+    the token byte lengths and the seconds of each step.
+    """
+    stages = Stages()
+    tokens, token_bytes = read_data(data_dir, val_sha256, token_bytes_sha256)  # first: the data as it was
+    stages.done("data")
+    load_prepare()
+    import torch
+
+    stages.done("import")
+    if torch.cuda.is_available():  # the CUDA context and the matmul libraries load lazily: now
+        a = torch.ones(64, 64, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            (a @ a).sum().item()
+        stages.done("device")
+    return tokens, token_bytes, stages.seconds
+
+
 def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha256: str,
-             seed: bytes | None = None) -> dict:
+             seed: bytes | None = None, ready: tuple[Any, Any, dict[str, float]] | None = None) -> dict:
+    tokens, token_bytes, early = ready or get_ready(data_dir, val_sha256, token_bytes_sha256)
     prepare = load_prepare()
-    tokens, token_bytes = read_data(data_dir, val_sha256, token_bytes_sha256)
+    stages = Stages()
     try:  # whatever a malformed archive makes the checks or torch raise is the candidate's fault
         members = check_archive(read_archive(export_dir / "model.pt2"))
+        stages.done("read_archive")
         program = load_program(members)
         del members
+        stages.done("load")
         check_program(program, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
+        stages.done("check_program")
         model = program.module()
+        stages.done("module")
     except Failure:
         raise
     except Exception as e:
@@ -645,6 +686,7 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     probe = CausalityProbe(model, tokens, CAUSALITY_TOLERANCE.get(device.type, CAUSALITY_TOLERANCE["cuda"]),
                            seed or os.urandom(16), passes=-(-prepare.MAX_SEQ_LEN // cuts_per_pass))
     before = snapshot(model)
+    stages.done("snapshot")
     t0 = time.time()
     try:
         val_bpb = prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes,
@@ -654,7 +696,9 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     except Exception as e:
         raise Failure("candidate", f"running the exported model failed: {type(e).__name__}: {e}",
                       EVALUATION_FAILED) from e
+    stages.done("score")
     check_unchanged(model, before)
+    stages.done("check_unchanged")
     if not math.isfinite(val_bpb):
         raise Failure("candidate", f"val_bpb is {val_bpb} (not finite)", EVALUATION_FAILED)
     return {
@@ -665,12 +709,32 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
         "device": str(device),
         "reason_code": SUCCEEDED,
         "causality_max_nats": probe.max_moved,
+        "stage_seconds": stages.seconds,
+        "ready_seconds": early,
     }
+
+
+def _not_dumpable() -> None:
+    """No /proc/<pid>/fd, mem or environ of this process for anyone but root (Linux prctl).
+
+    An evaluator waiting for its export lives while the candidate runs: where the
+    candidate shares its uid (an unsandboxed run), this keeps it from opening the
+    evaluator's stdin through /proc and naming an export of its own choosing.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass  # not Linux: nothing of the kind to close
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Measure val_bpb of an exported model (run by run.py).")
-    parser.add_argument("--export-dir", type=Path, required=True)
+    parser.add_argument("--export-dir", required=True,
+                        help="the directory holding model.pt2; '-': get ready first (torch, the GPU, the data), "
+                             "then read the directory from the first line of stdin (end of input: exit, "
+                             "writing nothing)")
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--val-sha256", required=True)
     parser.add_argument("--token-bytes-sha256", required=True)
@@ -679,7 +743,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="hex seed of the causality check, to reproduce a report (default: os.urandom)")
     args = parser.parse_args(argv)
     try:
-        result = evaluate(args.export_dir, args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed)
+        ready = None
+        export_dir = args.export_dir
+        if export_dir == "-":
+            _not_dumpable()
+            ready = get_ready(args.data_dir, args.val_sha256, args.token_bytes_sha256)
+            export_dir = sys.stdin.readline().rstrip("\n")
+            if not export_dir:
+                return 0  # the run ended before there was an export to measure
+        result = evaluate(Path(export_dir), args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed,
+                          ready)
     except Failure as e:
         result = {"ok": False, "blame": e.blame, "reason": str(e), "reason_code": e.code}
     except Exception as e:  # a fault of the evaluator itself or of its environment

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -846,29 +847,76 @@ def _take_export(base: Path, scratch_rel: str, eval_dir: Path, exit_code: int | 
     return export_dir, stats
 
 
-def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None) -> dict:
-    """val_bpb of the export, from a separate `python -I evaluate.py`; Outcome if there is none."""
+class Evaluator:
+    """`python -I evaluate.py --export-dir -` in its own process group, started before it is needed.
+
+    It reads and checks the validation data, imports torch and opens the GPU while the candidate
+    starts up, then waits on its stdin for the export directory: those seconds are not spent
+    after training. It runs as the harness's user in a directory the candidate never sees;
+    `measure` hands it the export and waits for its verdict, `stop` ends it either way.
+    """
+
+    def __init__(self, eval_dir: Path, data, log: RunLog) -> None:
+        eval_env = _harness_env()
+        if prepare.PROFILE == "tiny":
+            eval_env.setdefault("OMP_NUM_THREADS", "1")
+        (eval_dir / "tmp").mkdir(exist_ok=True)
+        eval_env.update({"PYTHONUNBUFFERED": "1", "AUTOLAB_BENCH_PROFILE": prepare.PROFILE,
+                         "AUTOLAB_CACHE": str(prepare.cache_root()), "HOME": str(eval_dir),
+                         "TMPDIR": str(eval_dir / "tmp")})
+        self.out = eval_dir / "evaluation.json"
+        self.log = log
+        self.tail: collections.deque[str] = collections.deque(maxlen=30)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", "-",
+             "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
+             "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out)],
+            cwd=eval_dir, env=eval_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.reader = threading.Thread(target=self._pump, daemon=True, name="evaluator-output")
+        self.reader.start()
+
+    def _pump(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            text = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.tail.append(text)
+            self.log.candidate(text, "[evaluate] ")
+
+    def measure(self, export_dir: Path, timeout: float) -> tuple[int | None, bool, list[str]]:
+        """Hand over the export; (exit code, timed out, last lines)."""
+        try:
+            self.proc.stdin.write(f"{export_dir}\n".encode())
+            self.proc.stdin.close()
+        except OSError:  # it ended early: its output says why
+            pass
+        timed_out = False
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        self.stop()
+        return (None if timed_out else self.proc.returncode), timed_out, list(self.tail)
+
+    def stop(self) -> None:
+        _kill(self.proc)
+        self.reader.join(timeout=5.0)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
+             evaluator: Evaluator | None = None) -> dict:
+    """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none."""
     prof = prepare.PROFILES[prepare.PROFILE]
-    eval_env = _harness_env()
-    if prepare.PROFILE == "tiny":
-        eval_env.setdefault("OMP_NUM_THREADS", "1")
-    (eval_dir / "tmp").mkdir(exist_ok=True)
-    eval_env.update({"PYTHONUNBUFFERED": "1", "AUTOLAB_BENCH_PROFILE": prepare.PROFILE,
-                     "AUTOLAB_CACHE": str(prepare.cache_root()), "HOME": str(eval_dir),
-                     "TMPDIR": str(eval_dir / "tmp")})
-    out = eval_dir / "evaluation.json"
+    evaluator = evaluator or Evaluator(eval_dir, data, log)
     log.harness("measuring val_bpb of the exported model in a separate evaluator process")
-    eval_rc, eval_timed_out, eval_tail = _child(
-        [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", str(export_dir),
-         "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
-         "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(out)],
-        cwd=eval_dir, env=eval_env, timeout=prof.eval_timeout, log=log, prefix="[evaluate] ",
-    )
+    eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout)
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
                                                     f"{prof.eval_timeout:g}s", exit_code)
     try:
-        evaluation = json.loads(out.read_text())
+        evaluation = json.loads(evaluator.out.read_text())
     except (OSError, ValueError):
         raise Outcome("failed", "EvaluationFailed", f"the evaluator could not run the exported model (exit "
                                                     f"code {eval_rc}): {_last_words(eval_tail)}", exit_code) from None
@@ -882,6 +930,14 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
 def _succeeded(result: dict[str, Any], stats: dict, evaluation: dict, *, training: float, total: float,
                tokens: int, untrusted_timing: bool = False) -> None:
     result["metrics"] = _metrics(stats, evaluation, training=training, total=total, tokens=tokens)
+    stages = evaluation.get("stage_seconds")
+    if isinstance(stages, dict):  # the evaluator is the harness's own: where its time went
+        result.setdefault("timing", {})["evaluate_stages"] = {
+            str(k): v for k, v in stages.items() if _number(v) is not None}
+    ready = evaluation.get("ready_seconds")
+    if isinstance(ready, dict):  # done before the export existed, while the candidate started up
+        result.setdefault("timing", {})["evaluator_ready"] = {
+            str(k): v for k, v in ready.items() if _number(v) is not None}
     reported = [k for k in SELF_REPORTED if result["metrics"].get(k) is not None]
     if untrusted_timing:  # timed in the candidate's own container: informational only
         reported += ["training_seconds", "total_tokens_M"]
@@ -910,9 +966,15 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
 
     run_dir = _run_dir(mode)
     cleanup = [run_dir]
+    evaluator = None
     try:
+        # The evaluator gets ready (data, torch, GPU) while the candidate starts up, in a
+        # directory of the harness's that the candidate never sees.
+        eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
+        cleanup.append(eval_dir)
+        evaluator = Evaluator(eval_dir, data, log)
         scratch = run_dir / "scratch"
-        hidden = [prepare.cache_root(), data.path, data.file("val.bin")]
+        hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),
                            source=data.source, mode=mode, budget=budget, startup=startup, export=export,
                            log=log, result=result, hidden=hidden)
@@ -921,17 +983,17 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         _keep_curve(_regular_file("curve.jsonl", CURVE_LIMIT_BYTES, scratch), curve_path, result)
 
         # Out of the scratch directory into one the candidate never saw; nothing of it runs now.
-        eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
-        cleanup.append(eval_dir)
         export_dir, stats = _take_export(scratch, "", eval_dir, w.rc)
         if not keep_run_dir:
             shutil.rmtree(scratch, ignore_errors=True)
         measuring = time.monotonic()
-        evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc)
+        evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator)
         result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
     finally:
+        if evaluator is not None:
+            evaluator.stop()
         if keep_run_dir:
             log.harness(f"run directory kept: {run_dir}")
             cleanup.remove(run_dir)
@@ -953,32 +1015,6 @@ def _survivors(namespace: str | None) -> list[int]:
         time.sleep(0.05)
         left = sandbox.survivors(namespace)
     return left
-
-
-def _child(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float, log: RunLog,
-           prefix: str = "") -> tuple[int | None, bool, list[str]]:
-    """Run a trusted helper (the evaluator) in its own process group; (exit code, timed out, last lines)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    tail: collections.deque[str] = collections.deque(maxlen=30)
-
-    def pump() -> None:
-        for raw in iter(proc.stdout.readline, b""):
-            text = raw.decode("utf-8", errors="replace").rstrip("\n")
-            tail.append(text)
-            log.candidate(text, prefix)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    _kill(proc)
-    reader.join(timeout=5.0)
-    proc.stdout.close()
-    return (None if timed_out else proc.returncode), timed_out, list(tail)
 
 
 def _last_words(tail: list[str]) -> str:
@@ -1082,6 +1118,11 @@ def time_breakdown(result: dict[str, Any]) -> str:
     parts = [(label, _number(timing.get(key))) for label, key in TIME_PARTS]
     known = [(label, v) for label, v in parts if v is not None]
     text = ", ".join(f"{label} {v:.1f}s" for label, v in known)
+    stages = timing.get("evaluate_stages") or {}
+    if stages and "evaluate" in dict(known):
+        inner = " ".join(f"{k} {_number(v):.1f}" for k, v in stages.items())
+        text = text.replace(f"evaluate {dict(known)['evaluate']:.1f}s",
+                            f"evaluate {dict(known)['evaluate']:.1f}s ({inner})")
     if total is not None:
         other = total - sum(v for _, v in known)
         training = _number(timing.get("training_seconds")) or 0.0

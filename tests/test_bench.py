@@ -119,8 +119,16 @@ def test_synthetic_candidate_succeeds_with_the_harness_metric_below_an_untrained
                                  "export_seconds", "evaluate_seconds")]
     assert all(v >= 0 for v in parts) and sum(parts) <= result["metrics"]["total_seconds"] + 0.5
     line = next(x for x in log.splitlines() if "time: prepare" in x)
-    assert re.search(r"start-up [\d.]+s, training [\d.]+s, export [\d.]+s, evaluate [\d.]+s, "
+    assert re.search(r"start-up [\d.]+s, training [\d.]+s, export [\d.]+s, evaluate [\d.]+s "
+                     r"\(read_archive [\d.]+ .*score [\d.]+.*\), "
                      r"other [\d.]+s; outside training [\d.]+s of [\d.]+s", line), line
+    # ... and inside the evaluator: each stage after the export, together no more than the
+    # evaluator's time after training; torch's import and the data were done while the
+    # candidate started up.
+    stages = timing["evaluate_stages"]
+    assert list(stages)[:2] == ["read_archive", "load"] and "score" in stages, stages
+    assert sum(stages.values()) <= timing["evaluate_seconds"] + 0.1
+    assert "import" not in stages and {"data", "import"} <= set(timing["evaluator_ready"])
 
 
 def test_run_by_hand_prints_the_summary_block(bench, tmp_path):

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import types
@@ -175,7 +176,7 @@ def test_an_honest_causal_model_scores_what_consecutive_windows_give(harness, tm
     result = evaluate(harness, export(harness, model, tmp_path))
     assert result["ok"] and result["reason_code"] == "Succeeded", result
     assert set(result) == {"ok", "val_bpb", "num_params", "eval_seconds", "device", "reason_code",
-                           "causality_max_nats"}
+                           "causality_max_nats", "stage_seconds", "ready_seconds"}
     assert result["causality_max_nats"] <= 1e-4  # honest rows are bit-equal in both passes
     assert result["num_params"] == sum(p.numel() for p in model.parameters())
     assert result["val_bpb"] == pytest.approx(consecutive_bpb(harness, model), rel=1e-6)
@@ -329,3 +330,86 @@ def test_an_archive_with_a_member_outside_its_layout_is_refused(harness, tmp_pat
     result = evaluate(harness, export_dir)
     assert not result["ok"] and result["reason_code"] == "ExportRefused", result
     assert not (tmp_path / "escape.txt").exists() and not Path("/tmp/escape.txt").exists()
+
+
+# --- the evaluator that gets ready while the candidate starts up (--export-dir -) -----------------
+
+NOBODY = 65534
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="runs the evaluator and its attacker as another uid (root, setpriv)")
+def test_a_waiting_evaluator_takes_its_export_from_stdin_and_no_process_of_its_uid_can_write_there(
+        harness, tmp_path):
+    """An evaluator started early lives while the candidate runs. Where the candidate has its
+    uid (a run without a sandbox), /proc/<pid>/fd/0 would let it name an export of its own:
+    the waiting evaluator makes itself non-dumpable, so /proc/<pid>/fd is root's and opening
+    its stdin fails. Handed the real directory, it measures what the direct call measures."""
+    import tempfile
+    import time
+
+    model = Causal(harness.vocab)
+    direct = evaluate(harness, export(harness, model, tmp_path))
+    assert direct["ok"], direct
+    # A world-readable copy of the data and the export (pytest's tmp_path is root's alone).
+    shared = Path(tempfile.mkdtemp(prefix="autolab-early-eval-"))
+    try:
+        os.chmod(shared, 0o755)
+        for name in ("val.bin", "token_bytes.npy"):
+            shutil.copy(harness.data.path / name, shared / name)
+        shutil.copytree(tmp_path / "export", shared / "export")
+        for p in [shared, *shared.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        work = shared / "work"
+        work.mkdir(mode=0o777)
+        os.chmod(work, 0o777)
+        out = work / "evaluation.json"
+        proc = subprocess.Popen(
+            [*AS_NOBODY, sys.executable, "-I", str(BENCH / "evaluate.py"), "--export-dir", "-", "--data-dir", str(shared),
+             "--val-sha256", harness.data.sha256("val.bin"),
+             "--token-bytes-sha256", harness.data.sha256("token_bytes.npy"), "--out", str(out)],
+            env={**{k: v for k, v in harness.env.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))},
+                 "HOME": str(work), "TMPDIR": str(work), "AUTOLAB_CACHE": str(work)},
+            cwd=work, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            # Non-dumpable shows as /proc/<pid>/fd owned by root while the process is nobody's
+            # (before setpriv has switched, the process is root's: wait for nobody first).
+            deadline = time.monotonic() + 60
+
+            def uid_of() -> int:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                return int(next(x for x in status.splitlines() if x.startswith("Uid:")).split()[1])
+
+            while uid_of() != NOBODY or os.stat(f"/proc/{proc.pid}/fd").st_uid != 0:
+                assert proc.poll() is None and time.monotonic() < deadline, "the evaluator never became " \
+                    "non-dumpable: /proc/<pid>/fd stays open to its uid"
+                time.sleep(0.05)
+            attack = subprocess.run(
+                [*AS_NOBODY, sys.executable, "-I", "-c",
+                 "import sys\ntry:\n    open(sys.argv[1], 'w').write(sys.argv[2] + '\\n')\n"
+                 "except OSError as e:\n    print(type(e).__name__)\nelse:\n    print('WROTE')",
+                 f"/proc/{proc.pid}/fd/0", str(shared / "forged")],
+                capture_output=True, text=True, timeout=60)
+            assert attack.stdout.strip() == "PermissionError", attack
+            proc.communicate(f"{shared / 'export'}\n".encode(), timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+        early = json.loads(out.read_text())
+        assert early["ok"] and early["val_bpb"] == direct["val_bpb"], early
+        assert {"data", "import"} <= set(early["ready_seconds"]) and "score" in early["stage_seconds"]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_waiting_evaluator_told_nothing_writes_nothing(harness, tmp_path):
+    """The run ended before an export (a crash, a refusal): end of input, and no verdict."""
+    out = tmp_path / "evaluation.json"
+    proc = subprocess.run(
+        [sys.executable, "-I", str(BENCH / "evaluate.py"), "--export-dir", "-",
+         "--data-dir", str(harness.data.path), "--val-sha256", harness.data.sha256("val.bin"),
+         "--token-bytes-sha256", harness.data.sha256("token_bytes.npy"), "--out", str(out)],
+        env=harness.env, cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not out.exists(), proc.stderr

@@ -1,0 +1,99 @@
+"""Where the evaluator's time goes, on the default profile's model (issue 15).
+
+Builds the model bench/train.py defines (its source up to the torch.compile line, run
+with the profile you name), exports it with prepare.export_model, then times each stage
+of bench/evaluate.py on that archive in this process: reading and checking the zip,
+torch.export.load, the program checks, .module(), the tensor snapshot. Scoring
+(`prepare.evaluate_bpb` plus the causality probe) needs the validation data and, at
+this size, a GPU: with --data-dir it also runs the real evaluator as the harness does
+(`python -I evaluate.py`) and prints its own stage_seconds.
+
+    python bench/perf/evaluator_bench.py [--profile default] [--repeat 3] [--data-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1]
+
+
+def build_model(profile: str):
+    """train.py's model, initialised, on its device: the master as a candidate would export it."""
+    os.environ["AUTOLAB_BENCH_PROFILE"] = profile
+    os.environ.pop("AUTOLAB_EXPORT_DIR", None)
+    sys.path.insert(0, str(BENCH))
+    source = (BENCH / "train.py").read_text()
+    cut = source.index("model = torch.compile(")
+    scope: dict = {"__name__": "train_model_only", "__file__": str(BENCH / "train.py")}
+    exec(compile(source[:cut], str(BENCH / "train.py"), "exec"), scope)
+    return scope["raw_model"], scope["prepare"]
+
+
+def timed_stages(evaluate, prepare, export_dir: Path) -> dict[str, float]:
+    stages = evaluate.Stages()
+    members = evaluate.check_archive(evaluate.read_archive(export_dir / "model.pt2"))
+    stages.done("read_archive")
+    program = evaluate.load_program(members)
+    stages.done("load")
+    evaluate.check_program(program, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
+    stages.done("check_program")
+    model = program.module()
+    stages.done("module")
+    evaluate.snapshot(model)
+    stages.done("snapshot")
+    return stages.seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="default")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--data-dir", type=Path, help="a prepared data directory: also run the real evaluator")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    model, prepare = build_model(a.profile)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on "
+          f"{prepare._model_device(model)} ({time.perf_counter() - t0:.1f}s to build)")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("evaluate", BENCH / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    with tempfile.TemporaryDirectory(prefix="autolab-evalbench-") as tmp:
+        t0 = time.perf_counter()
+        export_dir = prepare.export_model(model, {"num_steps": 0}, export_dir=Path(tmp) / "export")
+        size = (export_dir / "model.pt2").stat().st_size
+        print(f"export: {time.perf_counter() - t0:.2f}s, model.pt2 {size / 2**20:.0f} MiB")
+        for i in range(a.repeat):
+            seconds = timed_stages(evaluate, prepare, export_dir)
+            print(f"in-process stages, round {i + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+                  + f"; total {sum(seconds.values()):.2f}s")
+        if a.data_dir:
+            digest = {n: hashlib.sha256((a.data_dir / n).read_bytes()).hexdigest()
+                      for n in ("val.bin", "token_bytes.npy")}
+            out = Path(tmp) / "evaluation.json"
+            env = {**os.environ, "AUTOLAB_BENCH_PROFILE": a.profile}
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-I", str(BENCH / "evaluate.py"), "--export-dir", str(export_dir),
+                 "--data-dir", str(a.data_dir), "--val-sha256", digest["val.bin"],
+                 "--token-bytes-sha256", digest["token_bytes.npy"], "--out", str(out)],
+                env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            result = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-2000:]}
+            print(f"evaluator process: {wall:.2f}s wall; stages {result.get('stage_seconds')}; "
+                  f"eval_seconds {result.get('eval_seconds')}; ok {result.get('ok')} "
+                  f"{result.get('reason', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
