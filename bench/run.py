@@ -157,6 +157,12 @@ TRAIN_RECORD = "record.json"  # in --export-dir, next to the candidate's scratch
 # Seconds of a train phase beyond the candidate's allowances: the harness's own start and
 # finish, and the one-second resolution of the timestamps a Pod's status gives.
 TRAIN_PHASE_OVERHEAD = 30.0
+# The evaluator starts before the candidate where it has cores of its own: on a GPU machine its
+# torch import and CUDA set-up then overlap the candidate's start-up (4-8 s off every run on an
+# H200). A CPU run would make it compete with the candidate for the same cores (and the tests'
+# runs for two of them): there it starts once training is over. "1"/"0" in the harness's
+# environment says which, whatever the machine.
+EARLY_EVALUATOR_ENV = "AUTOLAB_EARLY_EVALUATOR"
 UID_ENV = "AUTOLAB_SANDBOX_UID"  # uid mode's uid, if not sandbox.SANDBOX_UID (tests pick their own)
 UID_SCRATCH_ROOT = "/tmp"  # uid mode's scratch directories: a place every uid can traverse
 
@@ -848,12 +854,13 @@ def _take_export(base: Path, scratch_rel: str, eval_dir: Path, exit_code: int | 
 
 
 class Evaluator:
-    """`python -I evaluate.py --export-dir -` in its own process group, started before it is needed.
+    """`python -I evaluate.py --export-dir -` in its own process group.
 
-    It reads and checks the validation data, imports torch and opens the GPU while the candidate
-    starts up, then waits on its stdin for the export directory: those seconds are not spent
-    after training. It runs as the harness's user in a directory the candidate never sees;
-    `measure` hands it the export and waits for its verdict, `stop` ends it either way.
+    It reads and checks the validation data, imports torch and opens the GPU, then waits on its
+    stdin for the export directory. Started before the candidate (a GPU machine), those seconds
+    overlap the candidate's start-up instead of following its training. It runs as the
+    harness's user in a directory the candidate never sees; `measure` hands it the export and
+    waits for its verdict, `stop` ends it either way.
     """
 
     def __init__(self, eval_dir: Path, data, log: RunLog) -> None:
@@ -903,6 +910,11 @@ class Evaluator:
         for stream in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
                 stream.close()
+
+
+def _early_evaluator() -> bool:
+    forced = os.environ.get(EARLY_EVALUATOR_ENV, "")
+    return forced == "1" if forced in ("0", "1") else sandbox.wants_gpu()
 
 
 def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
@@ -968,11 +980,12 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
     cleanup = [run_dir]
     evaluator = None
     try:
-        # The evaluator gets ready (data, torch, GPU) while the candidate starts up, in a
-        # directory of the harness's that the candidate never sees.
+        # The evaluator's directory is the harness's, never the candidate's to see; on a GPU
+        # machine the evaluator gets ready there (data, torch, GPU) while the candidate starts up.
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
-        evaluator = Evaluator(eval_dir, data, log)
+        if _early_evaluator():
+            evaluator = Evaluator(eval_dir, data, log)
         scratch = run_dir / "scratch"
         hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),

@@ -345,13 +345,12 @@ def test_a_waiting_evaluator_takes_its_export_from_stdin_and_no_process_of_its_u
     """An evaluator started early lives while the candidate runs. Where the candidate has its
     uid (a run without a sandbox), /proc/<pid>/fd/0 would let it name an export of its own:
     the waiting evaluator makes itself non-dumpable, so /proc/<pid>/fd is root's and opening
-    its stdin fails. Handed the real directory, it measures what the direct call measures."""
+    its stdin fails. Handed the real directory, it measures what an honest model scores."""
     import tempfile
     import time
 
     model = Causal(harness.vocab)
-    direct = evaluate(harness, export(harness, model, tmp_path))
-    assert direct["ok"], direct
+    export(harness, model, tmp_path)
     # A world-readable copy of the data and the export (pytest's tmp_path is root's alone).
     shared = Path(tempfile.mkdtemp(prefix="autolab-early-eval-"))
     try:
@@ -398,7 +397,8 @@ def test_a_waiting_evaluator_takes_its_export_from_stdin_and_no_process_of_its_u
             proc.kill()
             proc.wait()
         early = json.loads(out.read_text())
-        assert early["ok"] and early["val_bpb"] == direct["val_bpb"], early
+        assert early["ok"], early
+        assert early["val_bpb"] == pytest.approx(consecutive_bpb(harness, model), rel=1e-6)
         assert {"data", "import"} <= set(early["ready_seconds"]) and "score" in early["stage_seconds"]
     finally:
         shutil.rmtree(shared, ignore_errors=True)

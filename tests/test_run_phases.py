@@ -244,7 +244,9 @@ def run_as_uid(bench, lab, tmp_path: Path, candidate: Path, **kw) -> tuple[dict,
     done = run_py(lab.harness, lab.cache, "--candidate", candidate, "--result", tmp_path / "r.json",
                   "--source", "synthetic", "--budget", str(kw.get("budget", BUDGET)),
                   "--sandbox", "uid", "--termination-log", tmp_path / "term",
-                  AUTOLAB_SANDBOX_UID=str(lab.uid))
+                  # the evaluator waits beside the candidate, as on a GPU machine: its
+                  # directory is one the uid's preflight checks it cannot read
+                  AUTOLAB_SANDBOX_UID=str(lab.uid), AUTOLAB_EARLY_EVALUATOR="1")
     result = json.loads((tmp_path / "r.json").read_text())
     assert not bench.run.uid_processes(lab.uid)  # nothing of the candidate is left
     return result, done.stdout
