@@ -986,6 +986,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         cleanup.append(eval_dir)
         if _early_evaluator():
             evaluator = Evaluator(eval_dir, data, log)
+            log.harness("the evaluator gets ready (data, torch, device) while the candidate starts up")
         scratch = run_dir / "scratch"
         hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),

@@ -167,7 +167,8 @@ class LocalBackend:
             cmd += ["--seed", str(req.seed)]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
-                        "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS")}
+                        "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS",
+                        "AUTOLAB_EARLY_EVALUATOR")}
         env.update(AUTOLAB_BENCH_PROFILE=req.profile, PYTHONUNBUFFERED="1")
         cpu = req.slot is None or str(req.slot).startswith("cpu")
         env["CUDA_VISIBLE_DEVICES"] = "" if cpu else str(req.slot)

@@ -281,9 +281,14 @@ class Rig:
 
     # -- processes of the lab ------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": str(self.home),
-                "LANG": "C.UTF-8", "AUTOLAB_CACHE": str(self.cache), "PYTHONPATH": str(REPO_ROOT),
-                "CUDA_VISIBLE_DEVICES": "", "HF_TOKEN": self.canaries["HF_TOKEN in the environment"]}
+        env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": str(self.home),
+               "LANG": "C.UTF-8", "AUTOLAB_CACHE": str(self.cache), "PYTHONPATH": str(REPO_ROOT),
+               "CUDA_VISIBLE_DEVICES": "", "HF_TOKEN": self.canaries["HF_TOKEN in the environment"]}
+        # AUTOLAB_EARLY_EVALUATOR=1 runs the suite as a GPU machine would: every evaluator waits
+        # beside its candidate from the start (bench/run.py).
+        if os.environ.get("AUTOLAB_EARLY_EVALUATOR"):
+            env["AUTOLAB_EARLY_EVALUATOR"] = os.environ["AUTOLAB_EARLY_EVALUATOR"]
+        return env
 
     def cli(self, *args: str, timeout: float = CONTROLLER_TIMEOUT) -> tuple[int, str]:
         proc = subprocess.Popen([sys.executable, "-m", "controller.cli.main", *args], cwd=str(REPO_ROOT), env=self.env(),
