@@ -719,14 +719,16 @@ def _not_dumpable() -> None:
 
     An evaluator waiting for its export lives while the candidate runs: where the
     candidate shares its uid (an unsandboxed run), this keeps it from opening the
-    evaluator's stdin through /proc and naming an export of its own choosing.
+    evaluator's stdin through /proc and naming an export of its own choosing. Where
+    the call fails the evaluator does not wait (a harness error, not an open door).
     """
-    try:
-        import ctypes
+    if not sys.platform.startswith("linux"):
+        return  # no /proc/<pid>/fd to close
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass  # not Linux: nothing of the kind to close
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def main(argv: list[str] | None = None) -> int:

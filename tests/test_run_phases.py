@@ -332,6 +332,47 @@ def test_uid_mode_candidate_reads_nothing_of_root_and_has_no_privileges(bench, u
 
 
 @needs_root
+def test_uid_mode_candidate_finds_the_waiting_evaluator_and_can_use_nothing_of_it(bench, uid_lab, tmp_path):
+    """The evaluator waits beside the candidate (as on a GPU machine), and uid mode shares /proc:
+    its command line names the data, the verdict file and its pid. The candidate tries them all:
+    read the validation data it names, forge the verdict in its directory, open its stdin, signal
+    it. Every attempt fails, and the run is measured as if nothing had been tried."""
+    hunt = (
+        "import json, os, signal\n"
+        "tried = {}\n"
+        "for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n"
+        "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().decode().split('\\0')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if not (any(a.endswith('evaluate.py') for a in argv) and '--export-dir' in argv):\n"
+        "        continue\n"
+        "    out, data = argv[argv.index('--out') + 1], argv[argv.index('--data-dir') + 1]\n"
+        "    def attempt(what, fn):\n"
+        "        try:\n"
+        "            fn()\n"
+        "            tried[what] = 'DONE'\n"
+        "        except OSError as e:\n"
+        "            tried[what] = type(e).__name__\n"
+        "    attempt('read val.bin', lambda: open(os.path.join(data, 'val.bin'), 'rb').read())\n"
+        "    attempt('forge verdict', lambda: open(out, 'w').write(json.dumps(\n"
+        "        {'ok': True, 'val_bpb': 0.01, 'num_params': 1, 'eval_seconds': 0, 'device': 'cpu',\n"
+        "         'reason_code': 'Succeeded', 'causality_max_nats': 0.0})))\n"
+        "    attempt('write its stdin', lambda: open(f'/proc/{pid}/fd/0', 'w').write('/tmp\\n'))\n"
+        "    attempt('signal it', lambda: os.kill(int(pid), signal.SIGSTOP))\n"
+        "print('HUNT', json.dumps(tried), flush=True)\n"
+    )
+    candidate = write(tmp_path / "candidate" / "train.py", hunt + TRAIN.read_text())
+    result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
+    assert "the evaluator gets ready" in out
+    [line] = [line for line in out.splitlines() if line.startswith("HUNT ")]
+    tried = json.loads(line[len("HUNT "):])
+    assert set(tried) == {"read val.bin", "forge verdict", "write its stdin", "signal it"}, tried
+    assert "DONE" not in tried.values(), tried
+    assert result["status"] == "succeeded" and result["metrics"]["val_bpb"] > 0.5, result
+
+
+@needs_root
 def test_uid_mode_refuses_when_the_candidate_could_read_the_harness(bench, uid_lab, tmp_path):
     if stat.S_IMODE(BENCH.stat().st_mode) & 0o005 != 0o005:
         pytest.skip(f"{BENCH} is not readable by other users here")

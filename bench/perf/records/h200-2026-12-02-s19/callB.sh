@@ -1,3 +1,5 @@
+# The variants were bench/train.py (3b8d3758a6d2) with train_regional.diff, and that plus
+# train_regional_b128-on-top.diff, written to .devtools/ (git apply --directory or patch -o).
 set -uo pipefail
 . bench/perf/gpu_env.sh
 prepare_corpus .devtools/mkcorpus.py
