@@ -891,11 +891,9 @@ class Evaluator:
 
     def measure(self, export_dir: Path, timeout: float) -> tuple[int | None, bool, list[str]]:
         """Hand over the export; (exit code, timed out, last lines)."""
-        try:
+        with contextlib.suppress(OSError):  # it ended early: its output says why
             self.proc.stdin.write(f"{export_dir}\n".encode())
             self.proc.stdin.close()
-        except OSError:  # it ended early: its output says why
-            pass
         timed_out = False
         try:
             self.proc.wait(timeout=timeout)
@@ -942,14 +940,12 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
 def _succeeded(result: dict[str, Any], stats: dict, evaluation: dict, *, training: float, total: float,
                tokens: int, untrusted_timing: bool = False) -> None:
     result["metrics"] = _metrics(stats, evaluation, training=training, total=total, tokens=tokens)
-    stages = evaluation.get("stage_seconds")
-    if isinstance(stages, dict):  # the evaluator is the harness's own: where its time went
-        result.setdefault("timing", {})["evaluate_stages"] = {
-            str(k): v for k, v in stages.items() if _number(v) is not None}
-    ready = evaluation.get("ready_seconds")
-    if isinstance(ready, dict):  # done before the export existed, while the candidate started up
-        result.setdefault("timing", {})["evaluator_ready"] = {
-            str(k): v for k, v in ready.items() if _number(v) is not None}
+    # Where the evaluator's own time went: after the export, and before it (getting ready).
+    for theirs, ours in (("stage_seconds", "evaluate_stages"), ("ready_seconds", "evaluator_ready")):
+        seconds = evaluation.get(theirs)
+        if isinstance(seconds, dict):
+            result.setdefault("timing", {})[ours] = {str(k): v for k, v in seconds.items()
+                                                     if _number(v) is not None}
     reported = [k for k in SELF_REPORTED if result["metrics"].get(k) is not None]
     if untrusted_timing:  # timed in the candidate's own container: informational only
         reported += ["training_seconds", "total_tokens_M"]
