@@ -7,6 +7,7 @@
                            [--sandbox auto|bwrap|uid|isolated|container|none]
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
+                           [--compile-cache-from SHA1]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -37,6 +38,19 @@ is trusted, and so is everything it starts except the candidate. In order:
    figures are the harness's own (training_seconds, total_seconds,
    total_tokens_M, num_params_M) or listed in result["self_reported"] (the
    candidate's stats.json: peak_vram_mb, mfu_percent, num_steps, depth).
+
+The compile cache (`--compile-cache-from SHA1`, phase all). Compiling is most
+of a candidate's start-up, and most candidates compile the same graphs as the
+lab's starting program. Every run compiles into a cache of its own in its
+scratch; a cache shared between candidates would be a place for one to leave
+code or trained weights for the next. So only one program's cache is kept:
+the lab's starting train.py, whose sha1 the controller passes (its owner's
+code, not an agent's). The first run of exactly those bytes that trains by the
+rules keeps its cache under `<data cache>/compile-seeds/<profile>/<sha1>/`
+(out of every candidate's reach); every later run starts with a copy of it in
+its own scratch, which it may change as it likes and which goes with it. A run
+of any other bytes never writes there, so what a candidate finds in its cache
+is what the starting program compiled, whoever ran before it.
 
 Sandboxes (`--sandbox`):
 
@@ -150,6 +164,15 @@ EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidat
 # Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
 # (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
 MAX_FILE_BYTES = {"tiny": 256 * 2**20, "default": 4 * 2**30}
+# The compile cache of the lab's starting program (its owner's train.py, not an agent's): kept
+# under <data cache>/COMPILE_SEEDS/<profile>/<sha1>/{compile,triton} by the first run of exactly
+# those bytes, and copied into every run's scratch before its candidate starts. Only a run of those
+# bytes ever writes there, so no candidate can leave anything in it for another run; each candidate
+# gets a copy of its own. Bounded: a cache larger than this is neither kept nor copied.
+COMPILE_SEEDS = "compile-seeds"
+CACHE_DIRS = ("compile", "triton")  # $TORCHINDUCTOR_CACHE_DIR and $TRITON_CACHE_DIR in the scratch
+SEED_CACHE_LIMIT_BYTES = {"tiny": 64 * 2**20, "default": 2 * 2**30}
+SEED_CACHE_MAX_FILES = 20_000
 SANDBOX_MODES = ("auto", "bwrap", "uid", "isolated", "container", "none")
 UNSANDBOXED = ("container", "none")  # the candidate runs as the harness's own user
 STAGED_RECORD = "data.json"  # in --train-data, next to train.bin
@@ -681,6 +704,119 @@ def sweep_uid(uid: int) -> tuple[int, list[int]]:
     return len(before), left
 
 
+# --- the compile cache of the lab's starting program --------------------------------------------
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _copy_tree(src: Path, dst: Path, limit: int, max_files: int) -> tuple[int, int]:
+    """Copy the directories and regular files under src into dst, never through a link (links,
+    FIFOs and devices are left out); (files, bytes). _TooBig past max_files files or limit bytes."""
+    files = size = 0
+
+    def walk(src_fd: int, to: Path, depth: int) -> None:
+        nonlocal files, size
+        to.mkdir(mode=0o700, exist_ok=True)
+        with os.scandir(src_fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in it]
+        for name, is_dir, is_file in entries:
+            if is_dir and depth < 32:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_fd)
+                try:
+                    walk(fd, to / name, depth + 1)
+                finally:
+                    os.close(fd)
+            elif is_file:
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_fd)
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    files, size = files + 1, size + st.st_size
+                    if files > max_files or size > limit:
+                        raise _TooBig(f"more than {max_files} files or {limit} bytes")
+                    with open(to / name, "wb") as out:
+                        shutil.copyfileobj(f, out, 2**22)
+                    os.chmod(to / name, stat.S_IMODE(st.st_mode) & 0o755 | 0o600)
+
+    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        walk(top, dst, 0)
+    finally:
+        os.close(top)
+    return files, size
+
+
+def _chown_tree(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid, follow_symlinks=False)
+    for root, dirs, names in os.walk(path):
+        for n in dirs + names:
+            os.chown(os.path.join(root, n), uid, uid, follow_symlinks=False)
+
+
+def seed_cache_entry(sha1: str) -> Path:
+    """Where the compile cache of the program with this sha1 is kept (see COMPILE_SEEDS)."""
+    return prepare.cache_root() / COMPILE_SEEDS / prepare.PROFILE / sha1
+
+
+def _seed_compile_cache(sha1: str | None, scratch: Path, log: RunLog, result: dict[str, Any]) -> None:
+    """Copy the kept compile cache of the lab's starting program (if any) into the scratch."""
+    if not sha1:
+        return
+    entry = seed_cache_entry(sha1)
+    info: dict[str, Any] = {"program": sha1[:12], "seeded": False, "kept": False}
+    result["compile_cache"] = info
+    if not entry.is_dir():
+        log.harness(f"no compile cache of the starting program {sha1[:12]} yet: the candidate compiles from cold")
+        return
+    began = time.monotonic()
+    files = size = 0
+    try:
+        for name in CACHE_DIRS:
+            if (entry / name).is_dir():
+                n, b = _copy_tree(entry / name, scratch / name, SEED_CACHE_LIMIT_BYTES.get(prepare.PROFILE, 2**30),
+                                  SEED_CACHE_MAX_FILES)
+                files, size = files + n, size + b
+    except (OSError, _TooBig) as e:  # a cold compile, not a failed run
+        for name in CACHE_DIRS:
+            shutil.rmtree(scratch / name, ignore_errors=True)
+        log.harness(f"the compile cache of {sha1[:12]} could not be copied ({e}): the candidate compiles from cold")
+        return
+    info.update(seeded=True, files=files, bytes=size, seconds=round(time.monotonic() - began, 2))
+    log.harness(f"the candidate starts with a copy of the compile cache of the starting program {sha1[:12]} "
+                f"({files} files, {size / 2**20:.1f} MiB, {info['seconds']:.2f}s)")
+
+
+def _keep_compile_cache(sha1: str | None, scratch: Path, log: RunLog, result: dict[str, Any]) -> None:
+    """After a run of exactly the starting program's bytes: keep its compile cache for later runs
+    (once; the first run to finish wins)."""
+    if not sha1 or result.get("candidate_sha1") != sha1:
+        return
+    entry = seed_cache_entry(sha1)
+    if entry.exists() or not any((scratch / n).is_dir() for n in CACHE_DIRS):
+        return
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{sha1[:12]}-", dir=entry.parent))
+    try:
+        files = size = 0
+        for name in CACHE_DIRS:
+            if (scratch / name).is_dir():
+                n, b = _copy_tree(scratch / name, tmp / name, SEED_CACHE_LIMIT_BYTES.get(prepare.PROFILE, 2**30),
+                                  SEED_CACHE_MAX_FILES)
+                files, size = files + n, size + b
+        os.rename(tmp, entry)
+    except (OSError, _TooBig) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not entry.exists():
+            log.harness(f"the compile cache of the starting program was not kept ({e})")
+        return
+    result.setdefault("compile_cache", {})["kept"] = True
+    log.harness(f"kept the compile cache of the starting program {sha1[:12]} for later runs "
+                f"({files} files, {size / 2**20:.1f} MiB)")
+
+
 # --- the parts of a run --------------------------------------------------------------------------
 
 
@@ -718,11 +854,14 @@ DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness 
 
 
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
-           startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path]) -> tuple[Watch, DataServer]:
+           startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path],
+           compile_from: str | None = None) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
-    is left (Watch.left: those that could not be killed)."""
+    is left (Watch.left: those that could not be killed). compile_from: the sha1 of the lab's
+    starting program, whose kept compile cache the scratch starts with (a copy)."""
     scratch.mkdir()
     (scratch / "train.py").write_bytes(code)  # the bytes that were hashed are the bytes that run
+    _seed_compile_cache(compile_from, scratch, log, result)
     pythonpath = str(BENCH_DIR)
     uid = None
     if mode == "uid":
@@ -731,6 +870,10 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         _uid_preflight(uid, scratch, [BENCH_DIR, *(BENCH_DIR / n for n in HARNESS_FILES), *hidden])
     else:
         sandbox.prepare_scratch(scratch)
+    if os.geteuid() == 0:  # the copied cache is the candidate's own, like the rest of its scratch
+        for name in CACHE_DIRS:
+            if (scratch / name).is_dir():
+                _chown_tree(scratch / name, uid if uid is not None else sandbox.SANDBOX_UID)
     sandboxed = mode == "bwrap"
     where = Path(sandbox.SCRATCH) if sandboxed else scratch
     gpu = sandbox.wants_gpu()
@@ -743,7 +886,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         "AUTOLAB_EXPORT_DIR": str(where / "export"), "AUTOLAB_CURVE_PATH": str(where / "curve.jsonl"),
         "AUTOLAB_TIME_BUDGET": repr(budget), "AUTOLAB_SEED": str(int(result.get("seed") or 0)),
     })
-    # The compile cache is the run's own: a shared one is a place to leave something for the next run.
+    # The compile cache is the run's own (a shared one is a place to leave something for the next
+    # run); it may start as a copy of the starting program's (see COMPILE_SEEDS).
     env["TORCHINDUCTOR_CACHE_DIR"] = str(where / "compile")
     env["TRITON_CACHE_DIR"] = str(where / "triton")
     if prepare.PROFILE == "tiny":
@@ -962,7 +1106,7 @@ def _run_dir(mode: str) -> Path:
 
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
-             mode: str, log: RunLog, result: dict[str, Any]) -> None:
+             mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
@@ -987,8 +1131,9 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),
                            source=data.source, mode=mode, budget=budget, startup=startup, export=export,
-                           log=log, result=result, hidden=hidden)
+                           log=log, result=result, hidden=hidden, compile_from=compile_from)
         training = _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget, result=result)
+        _keep_compile_cache(compile_from, scratch, log, result)
         result["timing"]["prepare_seconds"] = prepared
         _keep_curve(_regular_file("curve.jsonl", CURVE_LIMIT_BYTES, scratch), curve_path, result)
 
@@ -1176,7 +1321,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, compile_from: str | None = None) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
 
     seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for repeat runs
@@ -1185,7 +1330,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
-    to the result. Never raises for a failed candidate: see result["status"].
+    to the result. compile_from: the sha1 of the lab's starting program (see
+    COMPILE_SEEDS). Never raises for a failed candidate: see result["status"].
     """
     result_path = Path(result_path)
     source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
@@ -1199,7 +1345,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         result["sandbox"] = mode
         _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
-                 mode=mode, log=log, result=result)
+                 mode=mode, log=log, result=result, compile_from=compile_from)
 
     _settle(result, execute)
     return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
@@ -1418,6 +1564,12 @@ def _read_key(key_fd: int | None, key_file: str | None) -> bytes | None:
     return None
 
 
+def _sha1_arg(text: str) -> str:
+    if len(text) != 40 or any(c not in "0123456789abcdef" for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sha1 (40 lowercase hex digits)")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one candidate train.py under the benchmark's rules.")
     parser.add_argument("--phase", choices=PHASES, default="all",
@@ -1451,6 +1603,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0,
                         help="the harness's seed: 0 for a measured run, 1, 2, ... for repeat runs of one "
                              "program (data offset and $AUTOLAB_SEED)")
+    parser.add_argument("--compile-cache-from", default=None, type=_sha1_arg, metavar="SHA1",
+                        help="the sha1 of the lab's starting train.py (its owner's code, not an agent's): a run "
+                             "of exactly those bytes keeps its compile cache, and every run starts with a copy "
+                             "(phase all)")
     args = parser.parse_args(argv)
     need = {"all": ("candidate", "result"), "stage": ("train_data",),
             "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
@@ -1480,6 +1636,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
+        compile_from=args.compile_cache_from,
     )
     return EXIT_CODES[result["status"]]
 

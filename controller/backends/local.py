@@ -22,6 +22,10 @@ bubblewrap the harness refuses to run candidates, unless the user said
 `autolab run --unsafe-no-sandbox` (AUTOLAB_UNSAFE_NO_SANDBOX=1), which every
 result then says.
 
+Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
+train.py>`, so that it starts with a copy of the compile cache the first run of
+that program kept (bench/run.py says why only that program's is kept).
+
 Slots are GPUs: one run per visible GPU with `CUDA_VISIBLE_DEVICES` set to
 its id, or one CPU slot on a machine without GPUs. `AUTOLAB_GPUS=0,1` names
 the ids by hand (tests use it to stand in for GPUs).
@@ -41,7 +45,7 @@ import time
 from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
-                                    pinned_harness)
+                                    pinned_harness, starting_program_sha1)
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
 from controller.lab.repo import atomic_write
@@ -103,6 +107,7 @@ class LocalBackend:
         self.runs = LabPaths.of(self.root).state / "runs"
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
+        self._start: tuple[str | None] | None = None  # (sha1 of the starting program,), once known
 
     def run_dir(self, run: str) -> Path:
         return self.runs / run
@@ -165,6 +170,9 @@ class LocalBackend:
             cmd += ["--budget", str(req.budget_seconds)]
         if req.seed:
             cmd += ["--seed", str(req.seed)]
+        start = self._starting_program(harness)
+        if start:  # the one compile cache runs may start from: the lab's own starting program's
+            cmd += ["--compile-cache-from", start]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
                         "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS",
@@ -187,6 +195,14 @@ class LocalBackend:
             "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe}) + "\n")
         return RunObservation(req.run, "running", job_id=str(proc.pid),
                               worker=f"local:{os.uname().nodename}:{req.slot}" + (":UNSANDBOXED" if unsafe else ""))
+
+    def _starting_program(self, harness: Path) -> str | None:
+        """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches
+        (a lab made before it did runs every candidate from a cold cache)."""
+        if self._start is None:
+            supported = b"--compile-cache-from" in (harness / "run.py").read_bytes()
+            self._start = (starting_program_sha1(self.root) if supported else None,)
+        return self._start[0]
 
     def _judge(self, run: str, launch: dict) -> dict:
         """The result of a run that has ended, as far as the controller believes it."""

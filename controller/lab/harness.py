@@ -29,15 +29,29 @@ class HarnessError(RuntimeError):
     pass
 
 
+def _first_commit(root: Path) -> str | None:
+    out = git_bytes(root, "rev-list", "--max-parents=0", "autolab/master")
+    roots = out.stdout.decode().split()
+    return roots[-1] if out.returncode == 0 and roots else None
+
+
+def starting_program_sha1(root: Path, surface: str = "bench/train.py") -> str | None:
+    """The sha1 of the lab's starting train.py (its first commit's surface): its owner's code, the
+    one program whose compile cache every run may start from (bench/run.py, COMPILE_SEEDS)."""
+    commit = _first_commit(root)
+    if commit is None:
+        return None
+    out = git_bytes(root, "show", f"{commit}:{surface}")
+    return hashlib.sha1(out.stdout).hexdigest() if out.returncode == 0 else None
+
+
 def pinned_harness(root: Path) -> Path:
     """The harness the lab was made with: `.autolab/harness/<commit>/`, written from the git
     blobs of the lab's first commit and checked against them (blob ids) on every call. Runs on
     every backend use it, never the lab's editable bench/."""
-    out = git_bytes(root, "rev-list", "--max-parents=0", "autolab/master")
-    roots = out.stdout.decode().split()
-    if out.returncode != 0 or not roots:
-        raise HarnessError(f"{root}: cannot find the lab's first commit ({out.stderr.decode().strip()})")
-    commit = roots[-1]
+    commit = _first_commit(root)
+    if commit is None:
+        raise HarnessError(f"{root}: cannot find the lab's first commit (no branch autolab/master)")
     pinned = LabPaths.of(root).state / "harness" / commit[:12]
     for name in HARNESS_FILES:
         want = git_bytes(root, "rev-parse", f"{commit}:bench/{name}")
