@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -193,6 +194,8 @@ def test_a_model_that_peeks_anywhere_is_not_causal(harness, tmp_path, cheat):
     assert not result["ok"] and result["blame"] == "candidate", result
     assert result["reason_code"] == "NotCausal" and "not causal" in result["reason"]
     assert "batch" in result["reason"] and "row" in result["reason"] and "position" in result["reason"]
+    if cheat is PeekAtFewPositions:  # the position named is one where it peeks
+        assert 100 <= int(re.search(r"at position (\d+) moved", result["reason"]).group(1)) <= 120
 
 
 def test_a_model_that_reads_the_next_row_is_caught_or_gains_nothing(harness, tmp_path):
