@@ -105,7 +105,6 @@ MAX_JSON_BYTES = 256 * 2**20  # model.json and the payload configs
 # success JSON reports the largest change seen (causality_max_nats): the noise floor of a device.
 CAUSALITY_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
 OTHER_TEXT_TRIES = 16  # draws of replacement text until its first token differs from the original
-PROBE_ROWS = 8  # rows whose log-probabilities the probe compares at once (8 x 2048 x 8192 fp32: 0.5 GiB a side)
 
 # reason_code values (a fact lives once: run.py copies them into result["reason_code"])
 SUCCEEDED = "Succeeded"
@@ -573,23 +572,17 @@ class CausalityProbe:
                              f"{tuple(logits.shape)} for the scored one")
         unshuffled = torch.empty_like(out)
         unshuffled[perm.to(out.device)] = out
-        # Every row's positions before its cut, compared a few rows at a time on the device; one
-        # transfer to the host per batch, not one per row.
-        moved = torch.cat([_moved(logits[i:i + PROBE_ROWS].float().log_softmax(-1),
-                                  unshuffled[i:i + PROBE_ROWS].float().log_softmax(-1))
-                           for i in range(0, rows, PROBE_ROWS)])
-        before_cut = torch.arange(seq_len, device=moved.device)[None, :] < torch.tensor(cuts, device=moved.device)[:, None]
-        moved = torch.where(before_cut, moved, 0.0)
-        worst_of_rows = moved.amax(-1).tolist()
-        self.max_moved = max(self.max_moved, *worst_of_rows)
-        for r, (cut, worst) in enumerate(zip(cuts, worst_of_rows)):
+        for r, cut in enumerate(cuts):
+            moved = _moved(logits[r, :cut].float().log_softmax(-1), unshuffled[r, :cut].float().log_softmax(-1))
+            worst = float(moved.max())
+            self.max_moved = max(self.max_moved, worst)
             if worst > self.tolerance:
-                pos = int((moved[r] > self.tolerance).nonzero()[0, 0])
+                pos = int((moved > self.tolerance).nonzero()[0, 0])
                 after = f"the tokens from position {cut} on were replaced and " if cut < seq_len else ""
                 raise Failure(
                     "candidate",
                     f"the exported model is not causal: in batch {batch}, row {r} (validation window "
-                    f"{windows[r]}), the log-probabilities at position {pos} moved by {float(moved[r, pos]):.3g} nats "
+                    f"{windows[r]}), the log-probabilities at position {pos} moved by {float(moved[pos]):.3g} nats "
                     f"(tolerance {self.tolerance:g}) when {after}the rows of the batch were shuffled; a "
                     "prediction may depend only on its own row up to its own position "
                     f"(evaluation seed {self.seed.hex()})",
