@@ -416,3 +416,13 @@ def test_a_waiting_evaluator_told_nothing_writes_nothing(harness, tmp_path):
          "--token-bytes-sha256", harness.data.sha256("token_bytes.npy"), "--out", str(out)],
         env=harness.env, cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and not out.exists(), proc.stderr
+
+
+def test_the_rehearsal_loads_checks_and_runs_its_toy(harness, tmp_path):
+    """A waiting evaluator on a GPU rehearses an evaluation with a toy program of its own (the
+    first load, checks and run of a process pay for what the real evaluation then reuses). Here
+    on the CPU, in a fresh process: the toy passes the same checks an export must pass."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import evaluate; evaluate.rehearse('cpu'); print('ok')"
+    proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
