@@ -704,7 +704,8 @@ def get_ready(data_dir: Path, val_sha256: str, token_bytes_sha256: str,
 
 
 def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha256: str,
-             seed: bytes | None = None, ready: tuple[Any, Any, dict[str, float]] | None = None) -> dict:
+             seed: bytes | None = None, ready: tuple[Any, Any, dict[str, float]] | None = None,
+             tell_peak: Path | None = None) -> dict:
     tokens, token_bytes, early = ready or get_ready(data_dir, val_sha256, token_bytes_sha256)
     prepare = load_prepare()
     stages = Stages()
@@ -723,6 +724,8 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     except Exception as e:
         raise refuse(f"{type(e).__name__}: {e}") from e
     device = prepare._model_device(model)
+    if tell_peak is not None and device.type != "cuda":  # it holds no GPU memory at all
+        tell_peak.write_text("the evaluation uses no GPU memory\n")
     windows = max(1, min(prepare.EVAL_TOKENS, len(tokens) - 1) // prepare.MAX_SEQ_LEN)
     batch = prepare.EVAL_BATCH_SIZE
     cuts_per_pass = -(-windows // batch) * max(1, batch - 1)  # one row of each batch stays whole
@@ -732,8 +735,13 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     stages.done("snapshot")
     t0 = time.time()
     try:
+        def probe_and_tell(k: int, rows: list[int], x, logits) -> None:
+            probe(k, rows, x, logits)
+            if k == 1 and tell_peak is not None and device.type == "cuda":  # every batch has the same shapes:
+                tell_peak.write_text("the evaluation holds the GPU memory it needs\n")  # it reuses it
+
         val_bpb = prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes,
-                                       probe=probe)
+                                       probe=probe_and_tell)
     except Failure:
         raise
     except Exception as e:
@@ -784,6 +792,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-sha256", required=True)
     parser.add_argument("--token-bytes-sha256", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tell-peak", type=Path, default=None, metavar="FILE",
+                        help="write FILE once the evaluation holds all the GPU memory it will use (two batches "
+                             "scored and probed; the allocator keeps what it took): another process may then "
+                             "use the GPU's free memory without starving this evaluation")
     parser.add_argument("--seed", type=bytes.fromhex, default=None,
                         help="hex seed of the causality check, to reproduce a report (default: os.urandom)")
     args = parser.parse_args(argv)
@@ -797,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
             if not export_dir:
                 return 0  # the run ended before there was an export to measure
         result = evaluate(Path(export_dir), args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed,
-                          ready)
+                          ready, args.tell_peak)
     except Failure as e:
         result = {"ok": False, "blame": e.blame, "reason": str(e), "reason_code": e.code}
     except Exception as e:  # a fault of the evaluator itself or of its environment

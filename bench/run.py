@@ -7,7 +7,7 @@
                            [--sandbox auto|bwrap|uid|isolated|container|none]
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
-                           [--compile-cache-from SHA1]
+                           [--compile-cache-from SHA1] [--gate FILE] [--handover FILE]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -160,6 +160,11 @@ RECORD_LIMIT_BYTES = 2**16  # the train phase's record, the staged data's record
 KEY_LIMIT_BYTES = 256
 
 PHASES = ("all", "stage", "train", "evaluate")
+# --gate: a run started while the run before it on the same GPU is evaluated waits at its first
+# batch until the controller removes the gate file (that run's verdict is in). How often the gate
+# is looked at, and how long a candidate may wait there before the run is given up.
+GATE_POLL_SECONDS = 0.05
+GATE_LIMIT_SECONDS = 1800.0
 EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidate, when stats.json is late
 # Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
 # (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
@@ -265,13 +270,18 @@ class DataServer:
     The candidate asks for n tokens at a time (prepare.make_loader); it gets the
     next n of a sequential pass over train.bin from a seeded offset, wrapping at
     the end. The first request starts the harness's clock; a "done" request (or
-    the end of the connection) stops it, and nothing more is served.
+    the end of the connection) stops it, and nothing more is served. With a gate
+    (a run started up beside the one before it, see --gate), the first request
+    is answered only once the gate file is gone: the clock starts then.
     """
 
-    def __init__(self, tokens, conn: socket.socket, seed: int) -> None:
+    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Path | None = None) -> None:
         self.tokens, self.conn = tokens, conn
         self.pos = seed % max(1, len(tokens))
+        self.gate = gate  # while this file exists the first batch waits (the GPU is not ours yet)
+        self.asked: float | None = None  # the first request came (the candidate is ready)
         self.first: float | None = None
+        self.first_wall: float | None = None  # the same moment on the wall clock (other runs' timelines)
         self.done: float | None = None
         self.served = 0
         self.thread = threading.Thread(target=self._serve, daemon=True, name="data-server")
@@ -307,7 +317,13 @@ class DataServer:
                 if op == prepare.STREAM_DONE or op != prepare.STREAM_READ:
                     break
                 if self.first is None:
+                    self.asked = time.monotonic()
+                    while self.gate is not None and os.path.lexists(self.gate):
+                        if time.monotonic() - self.asked > GATE_LIMIT_SECONDS:
+                            raise OSError("the GPU was not handed over")
+                        time.sleep(GATE_POLL_SECONDS)
                     self.first = time.monotonic()
+                    self.first_wall = time.time()
                 n = min(n, prepare.STREAM_MAX_TOKENS)
                 self.conn.sendall(self._next(n))
                 self.served += n
@@ -399,7 +415,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     exported_at = None
     while proc.poll() is None:
         now = time.monotonic()
-        if server.first is None and now - w.started > startup:
+        if server.asked is None and now - w.started > startup:
             w.killed = (f"it asked for no training data within the start-up allowance of {startup:g}s "
                         "(compile and warm up take place before the first batch)")
         elif server.first is not None and server.done is None and now - server.first > train_limit:
@@ -855,7 +871,7 @@ DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness 
 
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
            startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path],
-           compile_from: str | None = None) -> tuple[Watch, DataServer]:
+           compile_from: str | None = None, gate: Path | None = None) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
     is left (Watch.left: those that could not be killed). compile_from: the sha1 of the lab's
     starting program, whose kept compile cache the scratch starts with (a copy)."""
@@ -899,7 +915,10 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     # Every measured run (seed 0) sees the same stream: differences are the program's, not the data
     # order's. Repeat runs of one program (seeds 1, 2, ...) start elsewhere in it.
     seed = int(result.get("seed") or 0) * DATA_SEED_STRIDE
-    server = DataServer(tokens, ours, seed).start()
+    server = DataServer(tokens, ours, seed, gate).start()
+    if gate is not None and os.path.lexists(gate):
+        log.harness("the run before this one on the GPU is being evaluated: the candidate starts up beside it, "
+                    "and its first batch waits until the controller hands the GPU over")
     limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
                             fsize=MAX_FILE_BYTES.get(prepare.PROFILE, sandbox.Limits.fsize))
     python = [sys.executable, "-s", "-P", "train.py"]
@@ -957,10 +976,16 @@ def _judge(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str,
                                                   "changed while the candidate ran; the run is void", w.rc)
     first, done = server.first, min(server.done or w.ended, w.ended)
     training = (done - first) if first is not None else 0.0
-    result["timing"] = {"startup_seconds": round((first or w.ended) - w.started, 2),
+    ready = server.asked if server.asked is not None else (first or w.ended)
+    result["timing"] = {"startup_seconds": round(ready - w.started, 2),
+                        "gpu_wait_seconds": round(first - server.asked, 2)
+                        if first is not None and server.asked is not None and server.gate is not None else None,
                         "training_seconds": round(training, 2),
                         "export_seconds": round(w.ended - done, 2) if first is not None else None,
-                        "tokens_served": server.served}
+                        "tokens_served": server.served,
+                        # when the GPU trained, on the wall clock: a lab's timeline across runs
+                        "trained_from": round(server.first_wall, 3) if server.first_wall else None,
+                        "trained_until": round(server.first_wall + training, 3) if server.first_wall else None}
     if w.killed:
         raise Outcome("failed", "BudgetExceeded", f"the candidate was killed: {w.killed}")
     if first is not None and training > budget + budget_slack(budget):
@@ -1016,12 +1041,14 @@ class Evaluator:
                          "AUTOLAB_CACHE": str(prepare.cache_root()), "HOME": str(eval_dir),
                          "TMPDIR": str(eval_dir / "tmp")})
         self.out = eval_dir / "evaluation.json"
+        self.dir = eval_dir
         self.log = log
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.proc = subprocess.Popen(
             [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", "-",
              "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
-             "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out)],
+             "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out),
+             "--tell-peak", str(eval_dir / "peak")],
             cwd=eval_dir, env=eval_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
         self.reader = threading.Thread(target=self._pump, daemon=True, name="evaluator-output")
@@ -1033,14 +1060,25 @@ class Evaluator:
             self.tail.append(text)
             self.log.candidate(text, "[evaluate] ")
 
-    def measure(self, export_dir: Path, timeout: float) -> tuple[int | None, bool, list[str]]:
-        """Hand over the export; (exit code, timed out, last lines)."""
+    def measure(self, export_dir: Path, timeout: float,
+                handover: Path | None = None) -> tuple[int | None, bool, list[str]]:
+        """Hand over the export; (exit code, timed out, last lines). With `handover`, that file is
+        written once the evaluator holds all the GPU memory its evaluation uses (--tell-peak), or
+        has ended: the GPU may take the next run's start-up beside it from then on, and whatever
+        that run allocates cannot starve this evaluation."""
+        began = time.monotonic()
         with contextlib.suppress(OSError):  # it ended early: its output says why
             self.proc.stdin.write(f"{export_dir}\n".encode())
             self.proc.stdin.close()
+        if handover is not None:
+            while not (self.dir / "peak").exists() and self.proc.poll() is None \
+                    and time.monotonic() - began < timeout:
+                time.sleep(0.02)
+            with contextlib.suppress(OSError):
+                handover.write_text("the candidate is gone and the evaluator holds the memory it needs\n")
         timed_out = False
         try:
-            self.proc.wait(timeout=timeout)
+            self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - began)))
         except subprocess.TimeoutExpired:
             timed_out = True
         self.stop()
@@ -1060,12 +1098,12 @@ def _early_evaluator() -> bool:
 
 
 def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
-             evaluator: Evaluator | None = None) -> dict:
+             evaluator: Evaluator | None = None, handover: Path | None = None) -> dict:
     """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none."""
     prof = prepare.PROFILES[prepare.PROFILE]
     evaluator = evaluator or Evaluator(eval_dir, data, log)
     log.harness("measuring val_bpb of the exported model in a separate evaluator process")
-    eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout)
+    eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout, handover)
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
                                                     f"{prof.eval_timeout:g}s", exit_code)
@@ -1106,7 +1144,8 @@ def _run_dir(mode: str) -> Path:
 
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
-             mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None) -> None:
+             mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
+             gate: Path | None = None, handover: Path | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
@@ -1131,7 +1170,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),
                            source=data.source, mode=mode, budget=budget, startup=startup, export=export,
-                           log=log, result=result, hidden=hidden, compile_from=compile_from)
+                           log=log, result=result, hidden=hidden, compile_from=compile_from, gate=gate)
         training = _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget, result=result)
         _keep_compile_cache(compile_from, scratch, log, result)
         result["timing"]["prepare_seconds"] = prepared
@@ -1142,7 +1181,8 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         if not keep_run_dir:
             shutil.rmtree(scratch, ignore_errors=True)
         measuring = time.monotonic()
-        evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator)
+        evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator,
+                              handover=handover)
         result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
@@ -1262,6 +1302,7 @@ def _settle(result: dict[str, Any], run: Any) -> None:
 # batch (imports, model build, sandbox); "export" from its last batch to its exit (the compiled
 # model's export); "evaluate" the harness's own val_bpb pass on the exported model.
 TIME_PARTS = (("prepare", "prepare_seconds"), ("start-up", "startup_seconds"),
+              ("waiting for the GPU", "gpu_wait_seconds"),
               ("training", "training_seconds"), ("export", "export_seconds"),
               ("evaluate", "evaluate_seconds"))
 
@@ -1321,7 +1362,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
-                  seed: int = 0, compile_from: str | None = None) -> dict[str, Any]:
+                  seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
+                  handover: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
 
     seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for repeat runs
@@ -1331,7 +1373,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS). Never raises for a failed candidate: see result["status"].
+    COMPILE_SEEDS); gate, handover: see --gate and --handover. Never raises for
+    a failed candidate: see result["status"].
     """
     result_path = Path(result_path)
     source = source or os.environ.get("AUTOLAB_SOURCE") or "hub"
@@ -1345,7 +1388,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         result["sandbox"] = mode
         _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
-                 mode=mode, log=log, result=result, compile_from=compile_from)
+                 mode=mode, log=log, result=result, compile_from=compile_from,
+                 gate=Path(gate) if gate else None, handover=Path(handover) if handover else None)
 
     _settle(result, execute)
     return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
@@ -1607,6 +1651,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sha1 of the lab's starting train.py (its owner's code, not an agent's): a run "
                              "of exactly those bytes keeps its compile cache, and every run starts with a copy "
                              "(phase all)")
+    parser.add_argument("--gate", default=None, metavar="FILE",
+                        help="phase all: the candidate's first batch waits while FILE exists (the controller "
+                             "started this run while the one before it on the GPU is evaluated); the wait is "
+                             "not start-up time")
+    parser.add_argument("--handover", default=None, metavar="FILE",
+                        help="phase all: written once the candidate is gone and the evaluator holds its GPU "
+                             "memory: from then on the next run may start up on this GPU")
     args = parser.parse_args(argv)
     need = {"all": ("candidate", "result"), "stage": ("train_data",),
             "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
@@ -1636,7 +1687,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
-        compile_from=args.compile_cache_from,
+        compile_from=args.compile_cache_from, gate=args.gate, handover=args.handover,
     )
     return EXIT_CODES[result["status"]]
 

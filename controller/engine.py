@@ -223,6 +223,7 @@ class Engine:
     baseline_failures: dict[str, int] = field(init=False)
     _changes: dict[str, dict[str, str]] = field(init=False)
     _prechecks: dict[str, tuple[ExperimentSpec, Future]] = field(init=False)
+    _started_next: dict[str, tuple[str, str]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
@@ -232,6 +233,7 @@ class Engine:
         self.baseline_failures = {}
         self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
         self._prechecks = {}  # experiment -> (the spec, its check started by precheck())
+        self._started_next = {}  # slot -> (the run being evaluated there, who was started next)
 
     # -- configuration ---------------------------------------------------------------------------
     def set_lab(self, lab: LabSpec) -> None:
@@ -420,6 +422,8 @@ class Engine:
         run: RunObservation | None = None
         if view.job and (view.active or (deleting and not view.terminal)):
             run = self.backend(view.job.backend).observe(view.job.name)
+            if run.handover and run.state == "running" and view.job.slot:
+                self._start_next(view.job.backend, view.job.slot, view.job.name)
         candidate: Candidate | None = None
         duplicate = None
         near: tuple[str, ...] = ()
@@ -505,6 +509,39 @@ class Engine:
             self.book.forget(name)
             self.statuses.finalized(name)
         return decision
+
+    def _start_next(self, backend_name: str, slot: str, evaluated: str) -> None:
+        """The run `evaluated` no longer needs its GPU alone: start the slot's next run up beside it.
+
+        Only for a backend that can (`start_next`: the local one). Who is next, and what would
+        be submitted, are the slot book's and the core's answers as things stand: the core is
+        asked what it would do with this slot (nothing is written, nothing else is carried
+        out), and a run is started only where it would submit at once. The real submit comes
+        when the slot is free, after the evaluated run's verdict; if by then the answer is
+        another (the master moved and the candidate is rebased, someone else is first), the
+        backend stops what it started, having spent no training time on it.
+        """
+        backend = self.backend(backend_name)
+        start_next = getattr(backend, "start_next", None)
+        nxt = self.book.next_in_line()
+        if start_next is None or nxt is None or self._started_next.get(slot) == (evaluated, nxt):
+            return
+        self._started_next[slot] = (evaluated, nxt)
+        obs = self.statuses.read(nxt)
+        spec, _, spec_error = self.spec_of(obs) if obs is not None else (None, None, None)
+        if obs is None or spec is None or obs.deleting:
+            return
+        st = obs.status
+        w = World(name=nxt, spec=spec, lab=self._world_lab(), master=self.master.master(), now=utcnow(),
+                  status=st, spec_error=spec_error, generation=obs.generation, deleting=False, slot=slot,
+                  recorded=self.ledger.has_run(st.get("run") or run_name(nxt)),
+                  worktree=self._leftovers(nxt, st), **self._noise_world())
+        decision = reconcile(w)
+        submit = next((i for i in decision.intents if i.kind == "submit"), None)
+        if submit is None or "materialise" in decision.kinds() \
+                or self.backend(submit.args["backend"]) is not backend:
+            return
+        start_next(self._request(obs, spec, submit.args, decision.status))
 
     def _world_lab(self) -> LabSpec:
         if self.lab.backend != self.default_backend:

@@ -487,6 +487,14 @@ class LocalLab:
             self.statuses.read(name)  # recorded now: Pending until the loop checks it
         return "created"
 
+    def stop_runs_started_ahead(self) -> None:
+        """A run started up ahead of its turn (LocalBackend.start_next) waits at its first batch
+        for a submit only a running loop makes: when the loop ends, it is stopped."""
+        for backend in list(self.engine.backends.values()):
+            stop = getattr(backend, "stop_next", None)
+            if stop is not None:
+                stop()
+
     def runs_in_flight(self) -> list[tuple[str, str | None]]:
         """(run, experiment) of every local run whose process is still going. Runs live in their
         own session, so they outlive the loop that started them; the next loop adopts them."""
@@ -494,8 +502,8 @@ class LocalLab:
         backend = self.backends["local"]
         out = []
         for d in sorted(runs.iterdir()) if runs.is_dir() else []:
-            if not (d / "launch.json").exists() or (d / "result.json").exists():
-                continue
+            if d.name.startswith(".") or not (d / "launch.json").exists() or (d / "result.json").exists():
+                continue  # (.next-<slot>: started up ahead, stopped with the loop)
             if backend.observe(d.name).state == "running":
                 try:
                     experiment = json.loads((d / "launch.json").read_text()).get("experiment")

@@ -88,6 +88,38 @@ def _start_ticks(pid: int) -> str | None:
     return fields[19]
 
 
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _stop(launch: dict) -> None:
+    """SIGTERM, then SIGKILL, to the process group of a launched run, until it is gone."""
+    pid = launch["pid"]
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.time() + wait
+        while time.time() < deadline and _start_ticks(pid) == launch["start"]:
+            _reap(pid)
+            time.sleep(0.05)
+        if _start_ticks(pid) != launch["start"]:
+            break
+    _reap(pid)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
 
 
@@ -146,6 +178,8 @@ class LocalBackend:
         d = self.run_dir(req.run)
         if (d / "launch.json").exists() or (d / "result.json").exists():
             return self.observe(req.run)  # adopt: never start a run twice
+        if self._take_started(req):
+            return self.observe(req.run)
         d.mkdir(parents=True, exist_ok=True)
         try:
             harness = self.harness()
@@ -153,6 +187,69 @@ class LocalBackend:
             return RunObservation(req.run, "error", message=str(e),
                                   result={"status": "error", "reason_code": "HarnessError",
                                           "reason": str(e)})
+        self._launch(d, req, harness)
+        return self.observe(req.run)
+
+    # -- the next run starts up while this one is evaluated ------------------------------------
+    def next_dir(self, slot: str | None) -> Path:
+        """Where the run started up ahead on `slot` waits to be submitted (see `start_next`)."""
+        return self.runs / f".next-{slot}"
+
+    def start_next(self, req: RunRequest) -> None:
+        """Start the run `req` describes on its slot now, held at its first batch.
+
+        The engine asks for this while the slot's run is evaluated (`RunObservation.handover`):
+        the candidate imports, compiles and warms up beside that evaluation, and waits at its
+        first batch, its clock not started, until `submit` of the same request takes it over and
+        opens the gate. A `submit` of anything else on the slot (the master moved and the
+        candidate was rebased, another experiment came first) stops it: nothing of it is kept.
+        """
+        d = self.next_dir(req.slot)
+        if self._fingerprint(req) == _read_json(d / "launch.json").get("fingerprint"):
+            return  # already starting up
+        if self.run_dir(req.run).exists():
+            return  # submitted before (a controller that stopped in between): submit adopts it
+        self.stop_next(req.slot)
+        try:
+            harness = self.harness()
+        except HarnessError:
+            return  # the real submit says why
+        d.mkdir(parents=True)
+        (d / "gate").write_text("the run before this one on the GPU is still being evaluated\n")
+        self._launch(d, req, harness, ahead=True)
+
+    def stop_next(self, slot: str | None = None) -> None:
+        """Stop the run started up ahead on `slot` (every slot: None), if any, and remove it."""
+        for d in ([self.next_dir(slot)] if slot is not None else list(self.runs.glob(".next-*"))):
+            launch = _read_json(d / "launch.json")
+            if launch.get("pid") and launch.get("start"):
+                _stop(launch)
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _take_started(self, req: RunRequest) -> bool:
+        """Take over the run started up ahead for exactly this request, if any: it becomes the
+        run (its directory renamed, its gate opened). Another one on the slot is stopped."""
+        for d in self.runs.glob(".next-*") if self.runs.is_dir() else []:
+            launch = _read_json(d / "launch.json")
+            mine = launch.get("fingerprint") == self._fingerprint(req)
+            if mine and launch.get("start") and _start_ticks(launch["pid"]) == launch["start"]:
+                try:
+                    os.rename(d, self.run_dir(req.run))  # the harness works relative to its directory
+                except OSError:
+                    self.stop_next(d.name[len(".next-"):])
+                    return False
+                (self.run_dir(req.run) / "gate").unlink()
+                return True
+            if mine or d == self.next_dir(req.slot):
+                self.stop_next(d.name[len(".next-"):])
+        return False
+
+    def _fingerprint(self, req: RunRequest) -> str:
+        what = [req.run, req.experiment, hashlib.sha1(req.candidate_source.encode()).hexdigest(), req.slot,
+                req.profile, req.data, req.budget_seconds, req.seed, os.environ.get(UNSAFE_ENV) == "1"]
+        return hashlib.sha1(json.dumps(what).encode()).hexdigest()
+
+    def _launch(self, d: Path, req: RunRequest, harness: Path, ahead: bool = False) -> None:
         code = req.candidate_source.encode("utf-8")
         (d / "candidate").mkdir(exist_ok=True)
         (d / "candidate" / "train.py").write_bytes(code)  # the committed bytes, not a worktree
@@ -162,9 +259,11 @@ class LocalBackend:
             f.write(key)
         unsafe = os.environ.get(UNSAFE_ENV) == "1"
         key_r, key_w = os.pipe()
+        # Paths relative to the run's directory, the harness's working directory: a run started
+        # up ahead keeps writing into it after `submit` has renamed it.
         cmd = [sys.executable, "-I", str(harness / "run.py"),
-               "--candidate", str(d / "candidate" / "train.py"), "--result", str(d / "result.json"),
-               "--source", req.data, "--termination-log", str(d / "termination.json"),
+               "--candidate", "candidate/train.py", "--result", "result.json",
+               "--source", req.data, "--termination-log", "termination.json",
                "--sandbox", "none" if unsafe else "bwrap", "--key-fd", str(key_r), "--run", req.run]
         if req.budget_seconds:
             cmd += ["--budget", str(req.budget_seconds)]
@@ -173,6 +272,8 @@ class LocalBackend:
         start = self._starting_program(harness)
         if start:  # the one compile cache runs may start from: the lab's own starting program's
             cmd += ["--compile-cache-from", start]
+        if b"--handover" in (harness / "run.py").read_bytes():
+            cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
                         "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS",
@@ -192,9 +293,8 @@ class LocalBackend:
         atomic_write(d / "launch.json", json.dumps({
             "pid": proc.pid, "start": _start_ticks(proc.pid), "slot": req.slot,
             "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
-            "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe}) + "\n")
-        return RunObservation(req.run, "running", job_id=str(proc.pid),
-                              worker=f"local:{os.uname().nodename}:{req.slot}" + (":UNSANDBOXED" if unsafe else ""))
+            "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe,
+            "fingerprint": self._fingerprint(req), "ahead": ahead}) + "\n")
 
     def _starting_program(self, harness: Path) -> str | None:
         """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches
@@ -254,7 +354,8 @@ class LocalBackend:
             worker += ":UNSANDBOXED"
         job_id = str(launch.get("pid", ""))
         if launch.get("start") and _start_ticks(launch["pid"]) == launch["start"]:
-            return RunObservation(run, "running", job_id=job_id, worker=worker)  # no peeking
+            return RunObservation(run, "running", job_id=job_id, worker=worker,  # no peeking
+                                  handover=(d / "handover").exists())
         if not (d / "result.json").exists():
             if not launch:
                 return RunObservation(run, "missing")
@@ -274,12 +375,8 @@ class LocalBackend:
                               job_id=job_id, worker=worker)
 
     def _reap(self, launch: dict) -> None:
-        pid = launch.get("pid")
-        if pid:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+        if launch.get("pid"):
+            _reap(launch["pid"])
 
     def cleanup(self, run: str) -> None:
         """Nothing to remove: the run's directory (log, result) stays as its record."""
@@ -292,19 +389,7 @@ class LocalBackend:
         obs = self.observe(run)
         if obs.state != "running":
             return obs
-        launch = json.loads((d / "launch.json").read_text())
-        pid = launch["pid"]
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.time() + wait
-            while time.time() < deadline and _start_ticks(pid) == launch["start"]:
-                self._reap(launch)
-                time.sleep(0.05)
-            if _start_ticks(pid) != launch["start"]:
-                break
+        _stop(json.loads((d / "launch.json").read_text()))
         if not (d / "result.json").exists():
             result = {"version": 2, "run": run, "status": "cancelled",
                       "reason": "cancelled by the user", "exit_code": None}

@@ -267,10 +267,12 @@ def run_loop(lab: LocalLab, watch: bool = False, interval: float = 1.0, quiet: b
         return 1
     except KeyboardInterrupt:
         progress.stop()
+        lab.stop_runs_started_ahead()
         print(interrupted_note(lab), file=sys.stderr, flush=True)
         return 130
     finally:
         progress.stop()
+        lab.stop_runs_started_ahead()
     return 0
 
 

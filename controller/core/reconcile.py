@@ -89,6 +89,9 @@ class RunObservation:
     job_id: str = ""
     worker: str = ""
     reason: str = ""  # what a queued run waits for (a Reason: WaitingForAdmission); "": RunQueued
+    # A running run that no longer needs its GPU alone: its candidate is gone and its evaluator
+    # holds the memory it needs. The engine may start the slot's next run up beside it.
+    handover: bool = False
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,14 @@ class SlotBook:
                 self.confirm_waiting.discard(name)
             return slot
 
+    def next_in_line(self) -> str | None:
+        """Who `grant` would give the next free slot to, as things stand (None: nobody waits)."""
+        with self._lock:
+            blocked = self.confirm_waiting - {self.confirming} if self.confirming else set()
+            order = sorted(((n, p, q) for n, (p, q) in self.waiting.items() if n not in blocked),
+                           key=lambda t: (-t[1], t[2], t[0]))
+            return order[0][0] if order else None
+
     def _next_confirmation(self) -> str | None:
         order = sorted((n for n in self.confirm_waiting if n in self.waiting),
                        key=lambda n: (-self.waiting[n][0], self.waiting[n][1], n))
