@@ -46,6 +46,14 @@ CHANGES = [
     ("WEIGHT_DECAY", "0.05", "less weight decay"),
     ("UNEMBEDDING_LR", "0.005", "a higher lm_head LR"),
 ]
+# Changes that lose (nothing to promote, so no later candidate is rebased): every run after the
+# first experiment is started up during its predecessor's evaluation and kept (--changes losing).
+LOSING = [
+    ("MATRIX_LR", "0.0", "no Muon step: the blocks do not learn"),
+    ("UNEMBEDDING_LR", "0.0", "the lm_head does not learn"),
+    ("WEIGHT_DECAY", "5.0", "weight decay that shrinks the matrices to nothing"),
+    ("WARMDOWN_RATIO", "0.99", "an LR that decays from the start"),
+]
 TARGET_BUDGET = 300.0  # the budget the goal is stated at
 
 
@@ -55,8 +63,8 @@ def autolab(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, text=True, capture_output=True)
 
 
-def spec_for(i: int, source: str, master: str) -> str:
-    name, value, why = CHANGES[i % len(CHANGES)]
+def spec_for(i: int, source: str, master: str, changes: list[tuple[str, str, str]] = CHANGES) -> str:
+    name, value, why = changes[i % len(changes)]
     lines = source.splitlines(keepends=True)
     new = []
     for line in lines:
@@ -81,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiments", type=int, default=3)
     p.add_argument("--profile", default="default")
     p.add_argument("--lab", default="/tmp/autolab-throughput")
+    p.add_argument("--changes", choices=("plausible", "losing"), default="plausible",
+                   help="plausible: real tweaks, some of which win (a win moves the master: the next "
+                        "run is rebased and starts over); losing: changes that lose, so each next run's "
+                        "start during its predecessor's evaluation is kept")
     p.add_argument("--unsafe-no-sandbox", action="store_true",
                    help="run without bubblewrap (a GPU machine without it; the repo's own code)")
     a = p.parse_args(argv)
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     master = json.loads(paths.master_file.read_text())
     source = (lab / "bench" / "train.py").read_text()
     for i in range(a.experiments):
-        (paths.experiments / f"tp-{i + 1}.yaml").write_text(spec_for(i, source, master["hash"]))
+        (paths.experiments / f"tp-{i + 1}.yaml").write_text(
+            spec_for(i, source, master["hash"], LOSING if a.changes == "losing" else CHANGES))
     run_args = ["run", "--lab", str(lab)] + (["--unsafe-no-sandbox"] if a.unsafe_no_sandbox else [])
     t0 = time.monotonic()
     ran = autolab(*run_args)
