@@ -31,7 +31,8 @@ AUTOLAB = [sys.executable, "-m", "controller.cli.main"]
 def test_the_gate_holds_the_first_batch_and_the_wait_is_not_start_up(bench, tmp_path):
     gate = tmp_path / "gate"
     gate.write_text("busy\n")
-    opened = threading.Timer(25.0, gate.unlink)  # past the 15-s start-up allowance
+    removed = []
+    opened = threading.Timer(25.0, lambda: (gate.unlink(), removed.append(time.time())))  # past the 15-s allowance
     opened.start()
     try:
         done = subprocess.run([sys.executable, "-I", str(BENCH / "run.py"), "--candidate", str(TRAIN),
@@ -46,6 +47,7 @@ def test_the_gate_holds_the_first_batch_and_the_wait_is_not_start_up(bench, tmp_
     timing = result["timing"]
     assert timing["startup_seconds"] < 15 < timing["startup_seconds"] + timing["gpu_wait_seconds"]
     assert "waiting for the GPU" in done.stdout and "its first batch waits" in done.stdout
+    assert timing["trained_from"] >= removed[0] - 0.01  # no batch before the gate opened
     # The GPU was handed over once the candidate was gone, before the verdict.
     assert (tmp_path / "handover").stat().st_mtime <= (tmp_path / "r.json").stat().st_mtime
     assert (tmp_path / "handover").stat().st_mtime >= timing["trained_until"]
