@@ -1006,7 +1006,7 @@ def _keep_curve(raw: bytes | None, curve_path: Path, result: dict[str, Any]) -> 
     if curve:
         curve_path.parent.mkdir(parents=True, exist_ok=True)
         curve_path.write_text("".join(json.dumps(c) + "\n" for c in curve))
-        result["curve"] = str(curve_path)
+        result["curve"] = os.path.abspath(curve_path)  # the directory's name now (a run started ahead was renamed)
 
 
 def _take_export(base: Path, scratch_rel: str, eval_dir: Path, exit_code: int | None) -> tuple[Path, dict]:
