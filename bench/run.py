@@ -1104,6 +1104,11 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
     evaluator = evaluator or Evaluator(eval_dir, data, log)
     log.harness("measuring val_bpb of the exported model in a separate evaluator process")
     eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout, handover)
+    if eval_timed_out and handover is not None and os.path.lexists(handover):
+        # The next run may have started up beside it and slowed it: not this candidate's fault.
+        raise Outcome("error", "EvaluationFailed", f"evaluating the exported model took longer than "
+                                                   f"{prof.eval_timeout:g}s while the GPU was shared with the "
+                                                   "next run's start-up; nothing was measured", exit_code)
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
                                                     f"{prof.eval_timeout:g}s", exit_code)
