@@ -76,6 +76,16 @@ def test_a_run_started_ahead_is_taken_over_by_its_own_submit_and_stopped_by_any_
     assert fresh["pid"] != ahead["pid"] and fresh["ahead"] is False and obs.state in ("running", "succeeded")
     backend.cancel("exp-a-1")
 
+    # The same run submitted on another slot (another GPU freed first): the one started ahead on
+    # slot 0 is stopped, not left waiting.
+    backend.start_next(request(lab, source, "exp-c-1"))
+    ahead = json.loads((backend.next_dir("0") / "launch.json").read_text())
+    elsewhere = RunRequest(**{**request(lab, source, "exp-c-1").__dict__, "slot": "1"})
+    backend.submit(elsewhere)
+    assert not backend.next_dir("0").exists()
+    assert json.loads((backend.run_dir("exp-c-1") / "launch.json").read_text())["pid"] != ahead["pid"]
+    backend.cancel("exp-c-1")
+
     # The same request: the run started ahead becomes the run, and trains once its gate opens.
     backend.start_next(request(lab, source, "exp-b-1"))
     ahead = json.loads((backend.next_dir("0") / "launch.json").read_text())

@@ -240,8 +240,8 @@ class LocalBackend:
                     return False
                 (self.run_dir(req.run) / "gate").unlink()
                 return True
-            if mine or d == self.next_dir(req.slot):
-                self.stop_next(d.name[len(".next-"):])
+            if mine or launch.get("run") == req.run or d == self.next_dir(req.slot):
+                self.stop_next(d.name[len(".next-"):])  # stale, or for this run on another slot
         return False
 
     def _fingerprint(self, req: RunRequest) -> str:
@@ -294,7 +294,7 @@ class LocalBackend:
             "pid": proc.pid, "start": _start_ticks(proc.pid), "slot": req.slot,
             "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
             "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe,
-            "fingerprint": self._fingerprint(req), "ahead": ahead}) + "\n")
+            "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run}) + "\n")
 
     def _starting_program(self, harness: Path) -> str | None:
         """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches
