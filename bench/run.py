@@ -52,6 +52,17 @@ its own scratch, which it may change as it likes and which goes with it. A run
 of any other bytes never writes there, so what a candidate finds in its cache
 is what the starting program compiled, whoever ran before it.
 
+Starting up during the previous run's evaluation (`--handover FILE`, `--gate
+FILE`, phase all). `--handover` is written once the candidate is gone and the
+evaluator holds all the GPU memory its evaluation will use (evaluate.py
+--tell-peak: two batches scored; at once without a GPU). From then on the
+controller may start the GPU's next run beside it with `--gate`: that run
+imports, compiles and warms up, and its first request for data is answered
+only once the gate file is gone (the controller removes it when it submits
+that run, after this one's verdict). The wait is timed as `gpu_wait_seconds`,
+not as start-up. Candidates run at niceness 10 (sandbox.Limits), so an
+evaluation beside a start-up comes first for the CPU.
+
 Sandboxes (`--sandbox`):
 
 - `bwrap` (the default): bubblewrap as above; refuses to run without it.
