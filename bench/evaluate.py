@@ -673,6 +673,12 @@ def rehearse(device: str) -> None:
         program.module()(idx).sum().item()
 
 
+def _uses_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def get_ready(data_dir: Path, val_sha256: str, token_bytes_sha256: str,
               rehearsal: bool = False) -> tuple[Any, Any, dict[str, float]]:
     """What needs no export: torch imported, the GPU opened, the validation data read and checked.
@@ -724,8 +730,6 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     except Exception as e:
         raise refuse(f"{type(e).__name__}: {e}") from e
     device = prepare._model_device(model)
-    if tell_peak is not None and device.type != "cuda":  # it holds no GPU memory at all
-        tell_peak.write_text("the evaluation uses no GPU memory\n")
     windows = max(1, min(prepare.EVAL_TOKENS, len(tokens) - 1) // prepare.MAX_SEQ_LEN)
     batch = prepare.EVAL_BATCH_SIZE
     cuts_per_pass = -(-windows // batch) * max(1, batch - 1)  # one row of each batch stays whole
@@ -808,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
             export_dir = sys.stdin.readline().rstrip("\n")
             if not export_dir:
                 return 0  # the run ended before there was an export to measure
+            if args.tell_peak is not None and not _uses_gpu():  # it will hold no GPU memory at all
+                args.tell_peak.write_text("the evaluation uses no GPU memory\n")
         result = evaluate(Path(export_dir), args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed,
                           ready, args.tell_peak)
     except Failure as e:

@@ -60,8 +60,9 @@ controller may start the GPU's next run beside it with `--gate`: that run
 imports, compiles and warms up, and its first request for data is answered
 only once the gate file is gone (the controller removes it when it submits
 that run, after this one's verdict). The wait is timed as `gpu_wait_seconds`,
-not as start-up. Candidates run at niceness 10 (sandbox.Limits), so an
-evaluation beside a start-up comes first for the CPU.
+not as start-up. An evaluation that runs out of time after the handover is an
+error (nothing measured), not the candidate's failure: the newcomer may have
+slowed it.
 
 Sandboxes (`--sandbox`):
 

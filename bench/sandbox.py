@@ -56,11 +56,6 @@ class Limits:
     fsize: int = 8 * GIB  # largest file it may write (the exported model of the default profile: ~0.2 GiB)
     nofile: int = 4096  # open file descriptors per process
     address_space: int | None = None  # bytes of virtual memory per process; CPU runs only
-    # Scheduling niceness of every candidate process (they cannot lower it: no CAP_SYS_NICE). The
-    # harness's own processes come first when they compete for a core: the data stream, and the
-    # evaluation of the run before on the same GPU, beside which a run may start up. Alone on a
-    # machine (training) it changes nothing.
-    nice: int = 10
 
 
 def bwrap() -> str | None:
@@ -177,8 +172,6 @@ def set_limits(limits: Limits) -> None:
         pairs.append((resource.RLIMIT_NPROC, limits.nproc))
     if limits.address_space:
         pairs.append((resource.RLIMIT_AS, limits.address_space))
-    if limits.nice:
-        os.nice(limits.nice)
     for what, value in pairs:
         soft, hard = resource.getrlimit(what)
         cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
