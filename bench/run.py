@@ -163,6 +163,7 @@ TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LOG_LIMIT = 4096  # bytes Kubernetes keeps of a termination message
 HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
 KILL_GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL
+SURVIVOR_GRACE_SECONDS = 10.0  # for processes left in a killed PID namespace to be gone (a loaded machine)
 RESULT_MARKER = "AUTOLAB_RESULT"  # the harness's last stdout line: marker + compact result JSON
 LOG_LIMIT_BYTES = 16 * 2**20  # candidate output kept in the log; the rest is counted, not written
 CURVE_LIMIT_BYTES = 2**20  # the step curve read back from the scratch directory
@@ -1215,9 +1216,12 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
 
 def _survivors(namespace: str | None) -> list[int]:
     """Processes left in the candidate's PID namespace, killed. None can be left once its init
-    exits (the kernel kills them); a zombie being reaped gets a moment to go."""
-    deadline = time.monotonic() + 2.0
-    left = sandbox.survivors(namespace)
+    exits (the kernel kills them), but one that is killed while it holds gigabytes (a torch
+    process) takes a while to give its memory back on a loaded machine: it gets until
+    SURVIVOR_GRACE_SECONDS. A zombie has exited (no memory, no files, no code left to run):
+    it is not a survivor."""
+    deadline = time.monotonic() + SURVIVOR_GRACE_SECONDS
+    left = _living(sandbox.survivors(namespace))
     while left and time.monotonic() < deadline:
         for pid in left:
             try:
@@ -1225,8 +1229,21 @@ def _survivors(namespace: str | None) -> list[int]:
             except OSError:
                 pass
         time.sleep(0.05)
-        left = sandbox.survivors(namespace)
+        left = _living(sandbox.survivors(namespace))
     return left
+
+
+def _living(pids: list[int]) -> list[int]:
+    """pids that are not zombies (state Z in /proc/<pid>/stat; a pid that is gone is dropped)."""
+    living = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] != "Z":
+            living.append(pid)
+    return living
 
 
 def _last_words(tail: list[str]) -> str:

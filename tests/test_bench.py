@@ -623,3 +623,27 @@ def test_a_text_shard_without_a_text_column_is_named(bench, tmp_path):
     pq.write_table(pa.table({"body": ["no text column"]}), corpus / "shard_00000.parquet")
     with pytest.raises(bench.prepare.PrepareError, match=r"shard_00000\.parquet has no 'text' column"):
         bench.prepare.prepare(f"dir:{corpus}")
+
+
+def test_a_zombie_left_by_the_candidate_has_exited_and_is_not_a_survivor(bench):
+    """After the candidate, the harness kills what is left in its PID namespace and voids the run
+    if anything still lives (ProcessesLeft). A zombie has exited: it holds no memory and runs no
+    code, so waiting for its parent to reap it must not void an honest run; a live process is
+    still a survivor."""
+    import signal
+    import time
+
+    zombie = os.fork()
+    if zombie == 0:
+        os._exit(0)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for _ in range(200):  # the child has exited once /proc says Z
+            if Path(f"/proc/{zombie}/stat").read_text().split(") ")[1].startswith("Z"):
+                break
+            time.sleep(0.01)
+        assert bench.run._living([zombie, alive.pid, 2**22 + 1]) == [alive.pid]
+    finally:
+        alive.send_signal(signal.SIGKILL)
+        alive.wait()
+        os.waitpid(zombie, 0)

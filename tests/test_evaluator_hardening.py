@@ -426,3 +426,34 @@ def test_the_rehearsal_loads_checks_and_runs_its_toy(harness, tmp_path):
     proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_batched_causality_comparison_is_each_rows_own_up_to_its_cut(harness, tmp_path):
+    """The probe compares a whole batch at once (compiled, on a GPU); what it finds for each row
+    must be what that row's positions before its cut give alone, infinities and NaNs included,
+    and nothing from the cut on."""
+    code = r"""
+import math, sys
+sys.path.insert(0, sys.argv[1])
+import torch, evaluate
+g = torch.Generator().manual_seed(0)
+a = torch.randn(4, 16, 32, generator=g)
+b = a.clone()
+b[1, 9:] += torch.randn(7, 32, generator=g)              # row 1 changes from position 9 on
+b[2, 3, 5] += 0.5                                         # row 2 moves at position 3 only
+a[3, 2, 0], b[3, 2, 0] = math.inf, math.inf               # equal infinities: no move
+a[3, 4, 1] = math.nan                                     # a NaN against a number: an infinite move
+cuts = [16, 9, 16, 12]
+got = evaluate._moved_before_cut(a, b, torch.tensor(cuts))
+for r, cut in enumerate(cuts):
+    alone = evaluate._moved(a[r, :cut].log_softmax(-1), b[r, :cut].log_softmax(-1))
+    assert torch.allclose(got[r, :cut], alone, atol=1e-6, rtol=0), (r, got[r, :cut], alone)
+    assert not got[r, cut:].any(), (r, got[r, cut:])
+assert got[0].max() == 0 and got[1].max() == 0           # row 1's change is all after its cut
+assert got[2, 3] > 0.1 and got[2, :3].max() == 0 and got[2, 4:].max() == 0
+assert got[3, 2] == 0 and math.isinf(got[3, 4])
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

@@ -58,6 +58,9 @@ def main() -> int:
     ap.add_argument("--profile", default="default")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--data-dir", type=Path, help="a prepared data directory: also run the real evaluator")
+    ap.add_argument("--profile-scoring", action="store_true",
+                    help="with --data-dir: time scoring in this process with and without the causality "
+                         "probe, and print torch.profiler's top operations of one probed scoring")
     a = ap.parse_args()
     t0 = time.perf_counter()
     model, prepare = build_model(a.profile)
@@ -92,6 +95,45 @@ def main() -> int:
             print(f"evaluator process: {wall:.2f}s wall; stages {result.get('stage_seconds')}; "
                   f"eval_seconds {result.get('eval_seconds')}; ok {result.get('ok')} "
                   f"{result.get('reason', '')}")
+            if a.profile_scoring:
+                profile_scoring(evaluate, prepare, export_dir, a.data_dir, digest)
+    return 0
+
+
+def profile_scoring(evaluate, prepare, export_dir: Path, data_dir: Path, digest: dict[str, str]) -> None:
+    """Scoring's seconds without and with the probe, then where one probed scoring spends them."""
+    import torch
+
+    tokens, token_bytes = evaluate.read_data(data_dir, digest["val.bin"], digest["token_bytes.npy"])
+    members = evaluate.check_archive(evaluate.read_archive(export_dir / "model.pt2"))
+    model = evaluate.load_program(members).module()
+    windows = max(1, min(prepare.EVAL_TOKENS, len(tokens) - 1) // prepare.MAX_SEQ_LEN)
+    cuts_per_pass = -(-windows // prepare.EVAL_BATCH_SIZE) * max(1, prepare.EVAL_BATCH_SIZE - 1)
+    passes = -(-prepare.MAX_SEQ_LEN // cuts_per_pass)
+
+    def score(probed: bool) -> float:
+        probe = evaluate.CausalityProbe(model, tokens, 1.0, b"bench", passes=passes) if probed else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes, probe=probe)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    score(False)  # warm-up: the allocator and the first kernels
+    plain, probed = score(False), score(True)
+    print(f"scoring in this process ({windows} windows, {passes} probe passes): without the probe "
+          f"{plain:.2f}s, with it {probed:.2f}s (comparison as it is)")
+    t0 = time.perf_counter()
+    evaluate.compile_comparison(prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN, prepare.VOCAB_SIZE)
+    built = time.perf_counter() - t0
+    print(f"scoring with the probe, comparison compiled ({built:.2f}s to compile): {score(True):.2f}s, "
+          f"again {score(True):.2f}s")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        score(True)
+    table = prof.key_averages()
+    print(table.table(sort_by="cuda_time_total", row_limit=25))
+    print(table.table(sort_by="cpu_time_total", row_limit=15))
     return 0
 
 
