@@ -111,28 +111,29 @@ def profile_scoring(evaluate, prepare, export_dir: Path, data_dir: Path, digest:
     cuts_per_pass = -(-windows // prepare.EVAL_BATCH_SIZE) * max(1, prepare.EVAL_BATCH_SIZE - 1)
     passes = -(-prepare.MAX_SEQ_LEN // cuts_per_pass)
 
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def score(probed: bool) -> float:
         probe = evaluate.CausalityProbe(model, tokens, 1.0, b"bench", passes=passes) if probed else None
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         prepare.evaluate_bpb(model, prepare.EVAL_BATCH_SIZE, tokens=tokens, token_bytes=token_bytes, probe=probe)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     score(False)  # warm-up: the allocator and the first kernels
     plain, probed = score(False), score(True)
     print(f"scoring in this process ({windows} windows, {passes} probe passes): without the probe "
-          f"{plain:.2f}s, with it {probed:.2f}s (comparison as it is)")
-    t0 = time.perf_counter()
-    evaluate.compile_comparison(prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN, prepare.VOCAB_SIZE)
-    built = time.perf_counter() - t0
-    print(f"scoring with the probe, comparison compiled ({built:.2f}s to compile): {score(True):.2f}s, "
-          f"again {score(True):.2f}s")
+          f"{plain:.2f}s, with it {probed:.2f}s")
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         score(True)
     table = prof.key_averages()
-    print(table.table(sort_by="cuda_time_total", row_limit=25))
+    if torch.cuda.is_available():
+        print(table.table(sort_by="cuda_time_total", row_limit=25))
     print(table.table(sort_by="cpu_time_total", row_limit=15))
     return 0
 
