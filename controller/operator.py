@@ -619,7 +619,7 @@ class Operator:
     def configure(self, settings: Any, **_: Any) -> None:
         import kopf
 
-        self.connect()
+        self.connect().warm_up()  # before the first events, not in their handlers
         self.settings = settings
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
