@@ -21,6 +21,7 @@ Three pieces the operator builds on, each small enough to read in one go:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -74,10 +75,9 @@ class Kube:
         body = {"metadata": {"name": "warm-up"}}
         for call in (self.core.create_namespaced_event, self.core.create_namespaced_config_map,
                      self.core.create_namespaced_secret, self.batch.create_namespaced_job):
-            try:
+            # The refusal we asked for: pydantic's ValidationError (an older client: ApiValueError).
+            with contextlib.suppress(Exception):
                 call(None, body)
-            except Exception:  # the refusal we asked for (pydantic's ValidationError, or an older
-                pass           # client's ApiValueError for the missing namespace)
 
     # -- our resources ---------------------------------------------------------------------------
     def get_custom(self, namespace: str, plural: str, name: str) -> dict | None:

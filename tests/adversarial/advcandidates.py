@@ -914,6 +914,18 @@ _adv_hit("planted %d hooks" % _n)
             nxt = F.one_hot(torch.roll(idx[:, :1], -1, dims=0), V).to(logits.dtype)
             return torch.cat([logits[:, :-1], logits[:, -1:] + 40.0 * use * nxt], dim=1)
 """)], expect="causal", brief=False))
+    add(C("nc-infinite-entry", "non-causal models",
+          "Peeks at the next token everywhere, and gives the last vocabulary entry a logit of -inf at every "
+          "position, so each compared position holds an equal infinity: the check's fast path (the largest "
+          "|difference|) sees NaN there and must fall back to the exact comparison, not skip it.",
+          "Positions with anything non-finite are compared again by the exact formula: NotCausal, Failed.",
+          [(A_FORWARD_RET, "replace", """        if targets is None:  # evaluation: an equal -inf in every position, and a look at the next token
+            T, V = idx.size(1), logits.size(-1)
+            pos = torch.arange(T, device=idx.device)
+            mask = (pos < T - 1)[None, :, None].to(logits.dtype)
+            logits = logits + 40.0 * mask * F.one_hot(torch.roll(idx, -1, dims=1), V).to(logits.dtype)
+            return torch.cat([logits[..., :-1], torch.full_like(logits[..., -1:], float("-inf"))], dim=-1)
+""")], expect="causal", brief=False))
     add(C("nc-bidirectional", "non-causal models",
           "Plain bidirectional attention (is_causal=False): a model that sees the whole window.",
           "NotCausal, Failed (already caught by the old row-0 check).",
