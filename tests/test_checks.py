@@ -225,3 +225,71 @@ def test_candidates_checked_in_several_threads_at_once_all_hash(tmp_path):
         gc.callbacks.remove(switch_threads)
         gc.set_threshold(*threshold)
     assert results == [expected] * 45
+
+
+# Sources whose statements sit oddly on their lines: each must hash as `ast.dump` of the whole.
+ODD_SOURCES = [
+    SURFACE,
+    "",
+    "x = 1; y = 2\nx = 1; y = 3\n",                      # two statements on one line
+    "@dec\ndef f():\n    return 1\n\ndef f():\n    return 1\n",  # same def, with and without
+    "@(\n    dec)\nclass A:\n    pass\n",                # a decorator opening on the line above
+    "s = '''a\nb'''\r\nt = 1\rz = 'é' + \\\n    'ü'\n",  # CR, CRLF, continuation, non-ASCII
+    "\x0cx = 1\nif x:\n    y = 2\nelse:\n    y = 3\n",  # a form feed, a compound statement
+]
+
+
+@pytest.mark.parametrize("source", ODD_SOURCES)
+def test_semantic_hash_is_the_hash_of_the_whole_ast_dump(source):
+    """Ledger rows and masters carry sha1(ast.dump(tree)): the memoised hash must equal it."""
+    import ast
+    import hashlib
+
+    from controller.core.hashing import semantic_hash
+
+    expected = hashlib.sha1(ast.dump(ast.parse(source)).encode("utf-8")).hexdigest()
+    assert semantic_hash(source) == expected
+    assert semantic_hash(source) == expected, "the second time, from remembered statements"
+
+
+def test_candidates_of_one_master_dump_only_the_statements_they_change(monkeypatch):
+    """A check's semantic hash dumps the statements the diff touched, not the whole file."""
+    import ast
+
+    from controller.core import hashing
+
+    source = (Path(__file__).resolve().parents[1] / "bench" / "train.py").read_text()
+    hashing.semantic_hash(source)
+    dumped: list[str] = []
+    real = ast.dump
+    monkeypatch.setattr(ast, "dump", lambda node, *a, **k: dumped.append(type(node).__name__)
+                        or real(node, *a, **k))
+    changed = source.replace("SEED = 42", "SEED = 1042", 1)
+    assert changed != source
+    hashing.semantic_hash(changed)
+    assert dumped == ["Assign"]
+
+
+def test_a_check_parses_its_candidate_once(repo, monkeypatch):
+    """The tree that compiles is the tree that is hashed: compiling the text would parse it
+    a second time."""
+    import ast
+    import builtins
+
+    seen: list[str] = []
+    real_parse, real_compile = ast.parse, builtins.compile
+
+    def parse(source, *a, **k):
+        seen.append("parse")
+        return real_parse(source, *a, **k)
+
+    def compile_(source, filename, mode="exec", flags=0, *a, **k):
+        if filename == repo.lab.surface and not flags & ast.PyCF_ONLY_AST:  # not ast.parse's
+            seen.append("compile text" if isinstance(source, (str, bytes)) else "compile tree")
+        return real_compile(source, filename, mode, flags, *a, **k)
+
+    monkeypatch.setattr(ast, "parse", parse)
+    monkeypatch.setattr(builtins, "compile", compile_)
+    c = repo.materialise("e1", spec(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03"))))
+    assert not c.refusal
+    assert seen == ["parse", "compile tree"]

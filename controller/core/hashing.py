@@ -17,6 +17,14 @@ would make the program that runs differ from the one that was checked. So
 `check_candidate_source` accepts strict UTF-8 only: no declaration of another
 encoding in the first two lines, no byte-order mark (the bytes are the
 identity; a BOM adds nothing but a second spelling of the same file), no NUL.
+
+Candidates of one master share all but a few of its top-level statements, and
+`ast.dump` of a 400-line file costs ~10 ms of pure Python per check. So the dump
+of each top-level statement is remembered, keyed by the text of the lines it
+spans (with its columns and kind): a statement's AST is a function of its own
+tokens, and those lines hold every one of them. The module's dump is the same
+string `ast.dump` gives, built from the statements' dumps (a test holds them
+equal), so the hash is the one every ledger row and master already carries.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import ast
 import hashlib
 import re
 import threading
+from collections import OrderedDict
 from typing import NamedTuple
 
 # PEP 263, as CPython's tokenizer reads it (a comment line in the first two lines).
@@ -89,8 +98,50 @@ def parse_python(source: str, filename: str = "<unknown>", mode: str = "exec") -
         return ast.parse(source, filename, mode)
 
 
-def semantic_hash(source: str) -> str:
-    """Hash of the AST; raises SyntaxError for source that does not parse."""
-    tree = parse_python(source)
-    dumped = ast.dump(tree, annotate_fields=True, include_attributes=False)
-    return hashlib.sha1(dumped.encode("utf-8")).hexdigest()
+def compile_tree(tree: ast.AST, filename: str) -> None:
+    """`compile()` of a parsed module, as the check runs it; raises SyntaxError like it.
+
+    Under `_AST_LOCK` too: turning the tree back into the compiler's own is the other half
+    of the AST code that keeps that counter."""
+    with _AST_LOCK:
+        compile(tree, filename, "exec", dont_inherit=True)
+
+
+def semantic_hash(source: str, tree: ast.AST | None = None) -> str:
+    """Hash of the AST; raises SyntaxError for source that does not parse.
+
+    `tree` is `parse_python(source)` where the caller parsed it already (a check compiles
+    the same tree it hashes)."""
+    if tree is None:
+        tree = parse_python(source)
+    return hashlib.sha1(_dump_module(source, tree).encode("utf-8")).hexdigest()
+
+
+STATEMENT_DUMPS_MAX = 4096  # top-level statements remembered (a few masters' worth)
+_STATEMENT_DUMPS: OrderedDict[tuple, str] = OrderedDict()
+_STATEMENT_DUMPS_LOCK = threading.Lock()
+
+
+def _dump_module(source: str, tree: ast.AST) -> str:
+    """`ast.dump(tree)` (fields named, no positions), each top-level statement's part memoised."""
+    if not isinstance(tree, ast.Module) or tree.type_ignores:
+        return ast.dump(tree, annotate_fields=True, include_attributes=False)
+    # Line numbers count lines as the tokenizer does, after it made every line end a LF.
+    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    parts = []
+    for node in tree.body:
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+        key = (type(node).__name__, node.col_offset, node.end_col_offset,
+               "\n".join(lines[first - 1:node.end_lineno]))
+        with _STATEMENT_DUMPS_LOCK:
+            dumped = _STATEMENT_DUMPS.get(key)
+            if dumped is not None:
+                _STATEMENT_DUMPS.move_to_end(key)
+        if dumped is None:
+            dumped = ast.dump(node, annotate_fields=True, include_attributes=False)
+            with _STATEMENT_DUMPS_LOCK:
+                _STATEMENT_DUMPS[key] = dumped
+                while len(_STATEMENT_DUMPS) > STATEMENT_DUMPS_MAX:
+                    _STATEMENT_DUMPS.popitem(last=False)
+        parts.append(dumped)
+    return f"Module(body=[{', '.join(parts)}], type_ignores=[])"
