@@ -133,6 +133,22 @@ async def test_submitting_twice_adopts_the_job_instead_of_starting_another(env):
     assert env.key("exp-e-1") == key  # the key the first Job's evaluator signs with stays
 
 
+async def test_a_new_run_is_three_creates_and_no_reads(env):
+    """Submitting writes the Secret, the ConfigMap and the Job, and reads nothing back: the
+    Job's answer to its create is what the run looks like (queued, no Pod yet)."""
+    b = env.backend()
+    before = len(env.em.requests)
+    obs = await call(b.submit, request())
+    calls = [(r.method.value if hasattr(r.method, "value") else str(r.method), r.url.path)
+             for r in env.em.requests[before:]]
+    assert calls == [("POST", f"/api/v1/namespaces/{NS}/secrets"),
+                     ("POST", f"/api/v1/namespaces/{NS}/configmaps"),
+                     ("POST", f"/apis/batch/v1/namespaces/{NS}/jobs")]
+    assert obs.state == "queued" and obs.message == "Job exp-e-1 waits for its Pod."
+    assert obs.job_id == env.em.get(JOBS, NS, "exp-e-1")["metadata"]["uid"]
+    assert obs == await call(b.observe, "exp-e-1"), "what a later look sees, until a Pod comes"
+
+
 async def test_kueue_queue_makes_a_suspended_job_that_waits_to_be_admitted(env):
     b = env.backend(queue="gpu-queue")
     obs = await call(b.submit, request())

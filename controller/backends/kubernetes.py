@@ -321,28 +321,39 @@ class KubernetesBackend:
         """Create the run's Secret, ConfigMap and Job, or adopt them if they exist (409)."""
         owner = req.owner
         job = self.job_manifest(req, owner)  # refuses before anything is created
+        made: dict | None = None
         for create, body in ((self._create_secret, self.key_manifest(req, owner)),
                              (self.kube.create_configmap, self.surface_manifest(req, owner)),
                              (self.kube.create_job, job)):
             try:
-                create(self.namespace, body)
+                answer = create(self.namespace, body)
             except ApiException as e:
                 if e.status != 409:  # 409: made before (a restarted operator); the first one stays
                     raise
-        return self.observe(req.run)
+                continue
+            if body is job:
+                made = answer
+        if made is not None:
+            # Made just now: the API server answered with the Job as stored at its creation,
+            # when no Pod of it could exist yet. Reading both back would tell nothing more.
+            return self._observation(req.run, made, [])
+        return self.observe(req.run)  # adopted: as it is now
 
     def observe(self, run: str) -> RunObservation:
         job = self.kube.get_job(self.namespace, run)
         if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
             return RunObservation(run, "missing")
+        return self._observation(run, job, self.kube.list_pods(self.namespace, {"job-name": run}))
+
+    def _observation(self, run: str, job: dict, pods: list[dict]) -> RunObservation:
+        """What `job` and its Pods say of the run (see the table in the module docstring)."""
         job_id = job["metadata"].get("uid", "")
         sha1 = ((job["metadata"].get("annotations") or {}).get(CANDIDATE_SHA1))
         status = job.get("status") or {}
         done = {c["type"]: c for c in status.get("conditions") or []
                 if c.get("status") == "True" and c.get("type") in ("Complete", "Failed")}
-        pods = sorted(self.kube.list_pods(self.namespace, {"job-name": run}),
-                      key=lambda p: (p["metadata"].get("creationTimestamp") or "",
-                                     p["metadata"].get("name", "")))
+        pods = sorted(pods, key=lambda p: (p["metadata"].get("creationTimestamp") or "",
+                                           p["metadata"].get("name", "")))
         # A finished Pod whose result is final decides, even before the Job controller caught up.
         for pod in reversed(pods):
             result = self._finished(pod, run, sha1)
