@@ -117,11 +117,12 @@ def sync():
 #
 # Unfused, the (tokens x vocab) logits are written, read back by the loss, kept for the
 # backward pass, read again and their gradient written: two Triton passes over 4 GiB per
-# 128-sequence pass, about 6 % of a step's GPU time on an H200. Here one Triton program per token row reads its logits once, and
-# writes the loss and, in place, the gradient of the mean loss; the two lm_head gradient
-# matmuls follow at once, so no logits outlive the forward pass. The backward pass only
-# scales what the forward pass saved. Same arithmetic as the unfused path (bf16 logits,
-# fp32 soft-cap and softmax); on CPU the plain formula in GPT.forward runs.
+# 128-sequence pass, about 6 % of a step's GPU time on an H200. Here one Triton program per
+# token row reads its logits once, and writes the loss and, in place, the gradient of the
+# mean loss; the two lm_head gradient matmuls follow at once, so no logits outlive the
+# forward pass, and the backward pass only scales what it saved. Same arithmetic as the
+# unfused path (bf16 logits, fp32 soft-cap and softmax); on CPU the plain formula in
+# GPT.forward runs.
 
 if use_cuda and FUSED_LOSS:
     import triton
