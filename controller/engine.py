@@ -417,7 +417,7 @@ class Engine:
         name = obs.name
         spec, spec_doc, spec_error = self.spec_of(obs)
         priority = spec.priority if spec else 0
-        st = obs.status
+        st = written = obs.status
         view = ExperimentStatus.parse(st)  # a status that is not one fails here, and says why
         run: RunObservation | None = None
         if view.job and (view.active or (deleting and not view.terminal)):
@@ -450,12 +450,14 @@ class Engine:
             for event in decision.events:
                 self.events.experiment(name, event)
             if decision.status != st:
-                phase_changed = decision.status.get("phase") != st.get("phase")
-                self.statuses.write_status(name, decision.status, st)
                 st = decision.status
                 self.book.observe(name, st, priority)
-                if phase_changed:
-                    self.events.lab_changed()
+            # A status is stored before any effect outside the engine: a slot from the book
+            # (in memory) is none, so a status that only asks for one waits for the next step's
+            # and both are one write ("All slots are busy" is stored only when they are).
+            if st != written and not (decision.intents and schedule and all(
+                    i.kind == "acquire-slot" for i in decision.intents)):
+                written = self._store(name, st, written)
             if not decision.intents:
                 break
             waiting = False
@@ -503,12 +505,21 @@ class Engine:
                         self.backend(st["job"]["backend"]).cleanup(st["job"]["name"])
             if waiting:
                 break  # no slot yet: the status says so; a later pass asks again
+        if st != written:
+            self._store(name, st, written)
         assert decision is not None
         if decision.finalized:
             self.paths.checked_spec(obs.key).unlink(missing_ok=True)
             self.book.forget(name)
             self.statuses.finalized(name)
         return decision
+
+    def _store(self, name: str, status: dict, written: dict) -> dict:
+        """Write `status` over `written` (the status as stored); tell the lab of a new phase."""
+        self.statuses.write_status(name, status, written)
+        if status.get("phase") != written.get("phase"):
+            self.events.lab_changed()
+        return status
 
     def _start_next(self, backend_name: str, slot: str, evaluated: str) -> None:
         """The run `evaluated` no longer needs its GPU alone: start the slot's next run up beside it.

@@ -40,6 +40,7 @@ from controller.operator import Operator, OperatorConfig, register
 REPO = Path(__file__).resolve().parents[1]
 NS = "autolab"
 EXP = "autolab.dev/v1alpha1/experiments"
+LABS = "autolab.dev/v1alpha1/labs"
 JOBS = "batch/v1/jobs"
 CMS = "v1/configmaps"
 IMAGE = "registry.example/autolab-bench:1"
@@ -484,6 +485,41 @@ async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
         await c.until("Duplicate", lambda: c.phase("again") == "Duplicate")
     assert c.get(EXP, "again")["status"]["duplicateOf"] == "first"
     assert c.get(JOBS, "exp-again-1") is None
+
+
+async def test_an_experiment_gets_its_job_with_few_requests(cluster):
+    """Every request costs the operator and the API server CPU, and every write of the
+    Experiment wakes kopf's watch: with a batch of specs that is what bounds apply -> Job.
+    Before its Job, a new Experiment's status is stored three times (Pending while it is
+    checked, the submitted run, the run queued: "waiting for a slot" only when it waits),
+    each of its three Events is posted, and nothing just made is read back."""
+    c = cluster
+    seed_lab(c.root, 1.0)
+    await c.apply("labs", LAB)
+    async with operator(c, resync_seconds=30):
+        await c.until("the Lab's status", lambda: (c.get(LABS, "default") or {}).get("status"))
+        first = len(c.em.requests)
+        await c.apply("experiments", experiment("few", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05"))
+        await c.until("its run's id on its status",
+                      lambda: ((c.get(EXP, "few") or {}).get("status") or {}).get("job", {}).get("id"))
+        await asyncio.sleep(0.5)  # anything the pass still had to say
+    calls = [r for r in c.em.requests[first:]
+             if (r.headers.get("User-Agent") or "").startswith("autolab-operator")]
+
+    def method(r: Any) -> str:
+        return str(getattr(r.method, "value", r.method)).upper()
+
+    statuses = [r.data["status"] for r in calls
+                if method(r) == "PATCH" and r.url.path.endswith("/experiments/few/status")]
+    assert [(s.get("phase"), s.get("reason")) for s in statuses] == [
+        ("Pending", "Accepted"), ("Queued", "ChecksPassed"), (None, "RunQueued")]
+    scheduled = {cond["type"]: cond for cond in statuses[1]["conditions"]}["Scheduled"]
+    assert scheduled["reason"] == "Submitted", "never stored as waiting: a slot was free"
+    events = [r.data["reason"] for r in calls if method(r) == "POST"
+              and r.url.path.endswith("/events") and r.data["involvedObject"]["name"] == "few"]
+    assert events == ["Accepted", "ChecksPassed", "Submitted"]
+    reads = [(method(r), r.url.path) for r in calls if method(r) == "GET"]
+    assert not [r for r in reads if "/jobs" in r[1] or "/pods" in r[1]], reads
 
 
 ENTRYPOINTS = {
