@@ -88,6 +88,7 @@ COMPONENT = "autolab-operator"  # who tells the Events (`kubectl describe`'s Fro
 USER_AGENT = "autolab-operator/0.1"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 HANDLER_WORKERS = 32  # threads running handlers at once (each mostly waits on I/O)
+CHECK_POOL_START_SECONDS = 60.0  # start-up waits at most this long for the check pool
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -636,7 +637,12 @@ class Operator:
         settings.execution.max_workers = self.config.workers or HANDLER_WORKERS
         from controller.lab.repo import shared_check_pool
 
-        shared_check_pool().start()  # the pre-run checks' processes, ready for the first spec
+        # The pre-run checks' processes, started and ready before the first events: a batch of
+        # specs waiting at start-up (resume) would otherwise wait for their imports, which
+        # also take the CPU the first passes need.
+        if not shared_check_pool().start(wait=CHECK_POOL_START_SECONDS):
+            log.warning("the check pool's processes were not ready after %.0f s; going on",
+                        CHECK_POOL_START_SECONDS)
 
     def login(self, **_: Any) -> Any:
         import kopf

@@ -152,3 +152,17 @@ def test_a_check_in_a_worker_process_is_the_check_made_here(lab):
     assert there[1][0].reason == "CompileError"
     assert pooled["in-pool"] == lab.repo.candidate_source("in-pool-here")
     assert lab.repo.has_worktree("in-pool") and not lab.repo.has_worktree("refused")
+
+
+def test_a_started_pool_has_every_worker_ready_before_the_first_check():
+    """The operator starts its pool at start-up and waits for it: each worker has been spawned
+    and has imported what a check runs, so the first batch of specs waits for neither, and
+    the first passes do not share the CPU with the workers' imports."""
+    pool = CheckPool(workers=2)
+    try:
+        assert pool.start(wait=120) is True
+        assert len(pool._executor._processes) == 2  # type: ignore[union-attr]
+        assert all(p.is_alive() for p in pool._executor._processes.values())  # type: ignore[union-attr]
+        assert pool.start(wait=0) is True, "started already: nothing to wait for"
+    finally:
+        pool.shutdown()

@@ -35,11 +35,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool as BrokenExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from filelock import FileLock
 
@@ -418,6 +419,12 @@ class _RefWriter:
             self.proc.wait(5)
 
 
+def _worker_ready(ready: Any) -> None:
+    """A check pool worker's first act. Unpickling this function imported this module, and
+    with it everything a check runs; the worker says so."""
+    ready.release()
+
+
 def _check_in_worker(root: str, lab: LabSpec, name: str,
                      spec: ExperimentSpec) -> tuple[Candidate, str]:
     repo = _WORKER_REPOS.pop(root, None)
@@ -456,20 +463,35 @@ class CheckPool:
         self._executor = executor
         self._own = executor is None
         self._lock = threading.Lock()
+        self._ready: Any = None  # released once by each worker that has started (own pool)
+        self._workers_ready = 0  # how many of those start() has seen
 
     def _started(self) -> Executor:
         with self._lock:
             if self._executor is None:
+                context = multiprocessing.get_context("spawn")
+                self._ready, self._workers_ready = context.Semaphore(0), 0
                 self._executor = ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+                    self.workers, mp_context=context, initializer=_worker_ready,
+                    initargs=(self._ready,))
             return self._executor
 
-    def start(self) -> None:
-        """Start every worker now (in the background), not on the first checks."""
+    def start(self, wait: float = 0.0) -> bool:
+        """Start every worker now, not on the first checks; with `wait`, wait up to that many
+        seconds until each has started and imported what a check runs (a spawned process
+        imports its parent's main module too). False if some had not by then."""
         executor = self._started()
-        for _ in range(self.workers):
+        if self._ready is None or self._workers_ready >= self.workers:
+            return True
+        for _ in range(self.workers):  # a worker is spawned per task while none is idle
             with contextlib.suppress(BrokenExecutor, RuntimeError):
                 executor.submit(int)
+        deadline = time.monotonic() + wait
+        while self._workers_ready < self.workers:
+            if not self._ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            self._workers_ready += 1
+        return True
 
     def submit(self, repo: LabRepo, name: str, spec: ExperimentSpec) -> Future:
         """Start the check of `name`; its future gives what `LabRepo.check` returns."""
