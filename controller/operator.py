@@ -267,7 +267,27 @@ class ClusterEvents:
         self.rt.op._event(self.rt.lab_obj, event)
 
     def lab_changed(self) -> None:
-        self.rt.op._mirror_lab(self.rt)
+        """Mirror the Lab's status, one writer at a time. A change told while a mirror is
+        being written is left to that writer, which reads the lab again and writes once more:
+        the last write holds the latest state, and a burst of changes is a few writes."""
+        rt = self.rt
+        with rt.mirror_lock:
+            rt.mirror_wanted = True
+            if rt.mirroring:
+                return
+            rt.mirroring = True
+        try:
+            while True:
+                with rt.mirror_lock:
+                    if not rt.mirror_wanted:
+                        rt.mirroring = False
+                        return
+                    rt.mirror_wanted = False
+                rt.op._mirror_lab(rt)
+        except BaseException:
+            with rt.mirror_lock:
+                rt.mirroring = False
+            raise
 
 
 def _noise_status(doc: dict | None) -> dict | None:
@@ -293,6 +313,9 @@ class LabRuntime:
         self.lab_obj = lab_obj
         self.spec = LabSpec.from_dict(lab_obj.get("spec") or {})
         self.mirrored: dict | None = None
+        self.mirror_lock = threading.Lock()  # ClusterEvents.lab_changed: one writer at a time,
+        self.mirroring = False               # this one writing,
+        self.mirror_wanted = False           # and a change told since it read the lab
         self._master: tuple[float, MasterRecord | None] = (0.0, None)
         self.synced_from = float("-inf")  # when the read of the last sync() began (monotonic)
         paths = LabPaths.of(self.root)

@@ -522,6 +522,38 @@ async def test_an_experiment_gets_its_job_with_few_requests(cluster):
     assert not [r for r in reads if "/jobs" in r[1] or "/pods" in r[1]], reads
 
 
+def test_a_burst_of_lab_changes_is_mirrored_in_few_writes_the_last_holding_the_latest():
+    """Each phase change asks for the Lab's status to be mirrored. While one mirror is being
+    written, the changes told meanwhile are left to its writer, which writes once more when it
+    is done: not once per change, and never an older state after a newer one."""
+    from types import SimpleNamespace
+
+    from controller.operator import ClusterEvents
+
+    lab = {"running": 0}
+    written: list[int] = []
+    writing, go_on = threading.Event(), threading.Event()
+
+    def mirror(rt: Any) -> None:
+        seen = lab["running"]  # what the writer reads of the lab
+        writing.set()
+        go_on.wait(0.5)
+        written.append(seen)
+
+    rt = SimpleNamespace(mirror_lock=threading.Lock(), mirroring=False, mirror_wanted=False,
+                         op=SimpleNamespace(_mirror_lab=mirror))
+    events = ClusterEvents(rt)  # type: ignore[arg-type]
+    first = threading.Thread(target=events.lab_changed)
+    first.start()
+    assert writing.wait(5)
+    for running in range(1, 6):
+        lab["running"] = running
+        events.lab_changed()  # returns at once: the writer writes again
+    go_on.set()
+    first.join(5)
+    assert written == [0, 5]
+
+
 ENTRYPOINTS = {
     # The image's entrypoint (manifests/operator.yaml), configured from the environment.
     "python -m controller.cli.operator": [sys.executable, "-m", "controller.cli.operator",
