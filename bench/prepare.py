@@ -1172,23 +1172,29 @@ def report_step(step: int, loss: float, tokens_per_sec: float) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def _export_wrapper(model: Any, device_type: str):
+def export_program(module: Any, example: Any, autocast: bool) -> Any:
+    """The torch.export program of module(idx) -> logits for `example`'s shape, as the evaluator
+    loads it: no gradients, state as parameters and buffers, no example inputs kept (saved, they
+    would be a pickle; the evaluator refuses archives with one). With `autocast` the program runs
+    the module under bf16 autocast, the region inside the graph (export_model sets it on CUDA;
+    the evaluator's rehearsal exports its toy the same way)."""
     import torch
 
     class AutocastLogits(torch.nn.Module):
-        """Runs the model under bf16 autocast on CUDA; the autocast region is part of the export."""
-
         def __init__(self, inner: torch.nn.Module) -> None:
             super().__init__()
             self.model = inner
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            if device_type == "cuda":
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+            if autocast:
+                with torch.autocast(idx.device.type, dtype=torch.bfloat16):
                     return self.model(idx)
             return self.model(idx)
 
-    return AutocastLogits(model)
+    with torch.no_grad():
+        program = torch.export.export(AutocastLogits(module), (example,), strict=False)
+    program.example_inputs = None
+    return program
 
 
 def export_model(model: Any, stats: dict[str, Any], export_dir: str | os.PathLike | None = None) -> Path | None:
@@ -1213,9 +1219,7 @@ def export_model(model: Any, stats: dict[str, Any], export_dir: str | os.PathLik
     device = _model_device(module)
     example = torch.zeros(EVAL_BATCH_SIZE, MAX_SEQ_LEN, dtype=torch.long, device=device)
     t0 = time.time()
-    with torch.no_grad():
-        program = torch.export.export(_export_wrapper(module, device.type), (example,), strict=False)
-    program.example_inputs = None  # saved, they would be a pickle; the evaluator refuses archives with one
+    program = export_program(module, example, autocast=device.type == "cuda")
     torch.export.save(program, str(out / "model.tmp.pt2"))
     os.replace(out / "model.tmp.pt2", out / "model.pt2")
     record = {**{k: v for k, v in stats.items()}, "export_device": str(device),

@@ -421,11 +421,16 @@ def test_a_waiting_evaluator_told_nothing_writes_nothing(harness, tmp_path):
 def test_the_rehearsal_loads_checks_and_runs_its_toy(harness, tmp_path):
     """A waiting evaluator on a GPU rehearses an evaluation with a toy program of its own (the
     first load, checks and run of a process pay for what the real evaluation then reuses). Here
-    on the CPU, in a fresh process: the toy passes the same checks an export must pass."""
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import evaluate; evaluate.rehearse('cpu'); print('ok')"
-    proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    on the CPU, in a fresh process, with and without the bf16 autocast a GPU export runs under:
+    the toy passes the same checks an export must pass. (Exported under an autocast outside the
+    program, as it first was, its run_decompositions failed on every GPU and the rehearsal was
+    skipped without anyone noticing.)"""
+    for autocast in (False, True):
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import evaluate; "
+                f"evaluate.rehearse('cpu', autocast={autocast}); print('ok')")
+        proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", (autocast, proc.stderr)
 
 
 def test_the_batched_causality_comparison_is_each_rows_own_up_to_its_cut(harness, tmp_path):
