@@ -2,8 +2,10 @@
 
 The API server is `python -m controller.kube.emulator` in a process of its own; the
 operator (real kopf, the real Kubernetes client) runs in this process, so the
-memory figures are the operator's plus a small client (its check pool's
-processes are its children). Every Experiment is a real diff against
+memory figures are the operator's (its check pool's processes are its children).
+The client, which creates the Experiments one after another and watches for their
+Jobs, is a third process, as kubectl would be. The CPU each process used from the
+first create to the last Job is printed too (with --py-spy, where it went). Every Experiment is a real diff against
 bench/train.py with a distinct candidate, so each goes through every pre-run
 check (apply, commit, compile, hashes on the check pool; duplicate lookup)
 before its Job is created. The Lab leaves queueing to the cluster (no
@@ -52,6 +54,38 @@ def rss_mb() -> tuple[float, float]:
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
                   if ":" in line)
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
+
+
+def cpu_seconds(pid: int, waited: bool = True) -> float:
+    """CPU time of a process, and with `waited` of the children it has waited for (git, for
+    the checkers)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15 if waited else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_name(pid: int) -> str:
+    """What a child of the operator is: a check-pool worker or something else multiprocessing runs."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "child"
+    text = b" ".join(argv).decode(errors="replace")
+    return "resource tracker" if "resource_tracker" in text else "checker" if "spawn" in text else "child"
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -114,7 +148,47 @@ def experiments(n: int) -> list[dict]:
     return out
 
 
+def client(url: str, count: int, timeout: float, answer: str) -> int:
+    """The benchmark's client process: watch Jobs, then (told "go") create the Experiments one
+    after another; write when each was created and when its Job appeared to `answer`, as JSON."""
+    api = k8s.ApiClient(k8s.Configuration(host=url))
+    custom = k8s.CustomObjectsApi(api)
+    specs = experiments(count)
+    seen: dict[str, float] = {}
+    watching = threading.Event()
+
+    def watch_jobs() -> None:
+        batch = k8s.BatchV1Api(k8s.ApiClient(k8s.Configuration(host=url)))
+        jobs = batch.list_namespaced_job(NS, _preload_content=False)
+        version = json.loads(jobs.data)["metadata"]["resourceVersion"]
+        watching.set()
+        for ev in watch.Watch().stream(batch.list_namespaced_job, NS, resource_version=version):
+            seen.setdefault(ev["raw_object"]["metadata"]["name"], time.perf_counter())
+            if len(seen) >= len(specs):
+                return
+
+    threading.Thread(target=watch_jobs, daemon=True).start()
+    watching.wait(60)
+    print("watching", flush=True)
+    sys.stdin.readline()
+    created: dict[str, float] = {}
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    for doc in specs:
+        custom.create_namespaced_custom_object("autolab.dev", "v1alpha1", NS, "experiments", doc)
+        created[f"exp-{doc['metadata']['name']}-1"] = time.perf_counter()
+    t_created = time.perf_counter() - t0
+    while len(seen) < len(specs) and time.perf_counter() - t0 < timeout:
+        time.sleep(0.02)
+    t_all = time.perf_counter() - t0
+    Path(answer).write_text(json.dumps({"created": created, "seen": dict(seen), "create_seconds": t_created,
+                      "all_seconds": t_all, "cpu_seconds": round(time.process_time() - cpu0, 2)}))
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--client"]:
+        return client(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiments", type=int, nargs="+", default=[50, 1000],
                    help="Experiments created at once, one round per count")
@@ -124,6 +198,10 @@ def main() -> int:
                         "at most 90)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--py-spy", metavar="PATH",
+                   help="profile each round's burst with py-spy (this process and its children, "
+                        "--duration seconds from just before the first create), collapsed stacks to PATH")
+    p.add_argument("--duration", type=int, default=4, help="seconds --py-spy records")
     a = p.parse_args()
     rounds = []
     for n in a.experiments:
@@ -160,40 +238,41 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
             "spec": {"backend": "kubernetes", "profile": "tiny", "data": "synthetic",
                      "kubernetes": {"image": "autolab-bench:bench"}}})
         specs = experiments(count)
-
-        seen: dict[str, float] = {}
-        done = threading.Event()
-
-        def watch_jobs() -> None:
-            batch = k8s.BatchV1Api(k8s.ApiClient(k8s.Configuration(host=url)))
-            for ev in watch.Watch().stream(batch.list_namespaced_job, NS):
-                name = ev["raw_object"]["metadata"]["name"]
-                seen.setdefault(name, time.perf_counter())
-                if len(seen) >= len(specs) or done.is_set():
-                    return
-
-        watcher = threading.Thread(target=watch_jobs, daemon=True)
-        watcher.start()
-        created: dict[str, float] = {}
-        t0 = time.perf_counter()
-        for doc in specs:
-            custom.create_namespaced_custom_object("autolab.dev", "v1alpha1", NS, "experiments",
-                                                   doc)
-            created[f"exp-{doc['metadata']['name']}-1"] = time.perf_counter()
-        t_created = time.perf_counter() - t0
+        # The client (the creates, and a watch of Jobs that notes when each appears) is a
+        # process of its own, as kubectl and whoever waits for the Jobs are: not this process's
+        # threads, which would share the operator's GIL.
+        answer = tmp / "client.json"
+        client = subprocess.Popen([sys.executable, __file__, "--client", url, str(count), str(a.timeout),
+                                   str(answer)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        others = [c for c in children(os.getpid()) if c not in (emulator.pid, client.pid)]
+        procs = {"operator": os.getpid(), "client": client.pid, "emulator": emulator.pid,
+                 **{f"{process_name(c)} {c}": c for c in others}}
+        if client.stdout.readline().strip() != "watching":
+            raise SystemExit("the client did not start")
+        spy = None
+        if a.py_spy:
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--gil",
+                                    "--rate", "250", "--format", "raw", "--duration", str(round(a.duration)),
+                                    "--output", f"{a.py_spy}.{count}"], stdout=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached to every process before the first create
+        cpu0 = {k: cpu_seconds(v, k != "operator") for k, v in procs.items()}
         peak_during = 0.0
-        while len(seen) < len(specs) and time.perf_counter() - t0 < a.timeout:
-            time.sleep(0.5)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        while client.poll() is None:
+            time.sleep(0.05)
             peak_during = max(peak_during, rss_mb()[0])
-            print(f"\r{len(seen)}/{len(specs)} Jobs after {time.perf_counter() - t0:.0f} s",
-                  end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
-        t_all = time.perf_counter() - t0
+        # The operator's own (the client it has just reaped is not its CPU).
+        cpu = {k: round(cpu_seconds(v, k != "operator") - cpu0[k], 2) for k, v in procs.items() if k != "client"}
+        got = json.loads(answer.read_text())
+        cpu["client"] = got["cpu_seconds"]
+        created, seen, t_created, t_all = got["created"], got["seen"], got["create_seconds"], got["all_seconds"]
+        if spy is not None:
+            spy.wait()
         # A little steady state: the timer passes over runs in flight.
         settle = a.settle if a.settle is not None else min(2 * a.resync + 5, 90)
         time.sleep(settle)
         rss_now, rss_peak = rss_mb()
-        done.set()
         stop()
         latency = [seen[n] - created[n] for n in created if n in seen]
         timings: dict[str, list[float]] = {}
@@ -215,6 +294,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
             "rss_mb_end": round(rss_now, 1), "rss_mb_peak": round(rss_peak, 1),
             "resync_seconds": a.resync, "steady_state_seconds": settle,
             "cpus": os.cpu_count(), "load_average_at_start": load,
+            "cpu_seconds_until_last_job": cpu,
         }
         print(f"load average at the start: {load}")
         print(f"{len(latency)} of {len(specs)} Experiments got their Job "
@@ -222,6 +302,8 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
         print(f"create -> Job created: p50 {figures['create_to_job_p50_s']} s, "
               f"p95 {figures['create_to_job_p95_s']} s, max {figures['create_to_job_max_s']} s; "
               f"{figures['jobs_per_second']} Jobs/s")
+        print(f"CPU seconds from the first create to the last Job ({t_all:.1f} s, "
+              f"{os.cpu_count()} cores): " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
         print("handler time per event:")
         for k, v in figures["handlers"].items():
             print(f"  {k:<10} {v['events']:>6} events  p50 {v['p50_ms']:>8.1f} ms  "
