@@ -689,7 +689,8 @@ def rehearse(device: str, autocast: bool | None = None) -> None:
             return (4.0 * torch.tanh(self.head(F.relu(x).square()) / 4.0)).float()
 
     idx = torch.zeros(2, 8, dtype=torch.int64, device=device)
-    program = load_prepare().export_program(Toy().to(device), idx, autocast=device == "cuda" if autocast is None else autocast)
+    autocast = device == "cuda" if autocast is None else autocast
+    program = load_prepare().export_program(Toy().to(device), idx, autocast=autocast)
     buf = io.BytesIO()
     torch.export.save(program, buf)
     buf.seek(0)
