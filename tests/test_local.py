@@ -38,7 +38,7 @@ def test_demo_meets_every_outcome(demo_lab):
     st = {n: r["status"] for n, r in records(demo_lab).items()}
     seen = {n: (s["phase"], s.get("outcome")) for n, s in st.items()}
     assert seen["improve-lr"] == ("Succeeded", "Promoted")
-    assert seen["regress-frozen"] == ("Succeeded", "Rejected")
+    assert seen["regress-capped"] == ("Succeeded", "Rejected")
     assert seen["repeat-improve"] == ("Duplicate", None)
     assert seen["repeat-commented"] == ("Duplicate", None)
     assert seen["touch-prepare"] == ("Invalid", None)
@@ -55,7 +55,7 @@ def test_duplicates_and_refusals_spend_no_run(demo_lab):
     runs = {p.name for p in (demo_lab / ".autolab" / "runs").iterdir()}
     for refused in ("repeat-improve", "repeat-commented", "touch-prepare", "stale-conflict"):
         assert f"exp-{refused}-1" not in runs
-    assert {"exp-improve-lr-1", "exp-regress-frozen-1", "exp-stale-warmdown-1"} <= runs
+    assert {"exp-improve-lr-1", "exp-regress-capped-1", "exp-stale-warmdown-1"} <= runs
 
 
 def test_ledger_has_one_row_per_experiment_and_the_baseline(demo_lab):
