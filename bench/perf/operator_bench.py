@@ -5,8 +5,9 @@ operator (real kopf, the real Kubernetes client) runs in this process, so the
 memory figures are the operator's (its check pool's processes are its children).
 The client, which creates the Experiments one after another and watches for their
 Jobs, is a third process, as kubectl would be. The CPU each process used from the
-first create to the last Job is printed too (with --py-spy, where it went). Every Experiment is a real diff against
-bench/train.py with a distinct candidate, so each goes through every pre-run
+first create to the last Job is printed too (the operator's without the git
+processes it starts; with --py-spy, where it went). Every Experiment is a real
+diff against bench/train.py with a distinct candidate, so each goes through every pre-run
 check (apply, commit, compile, hashes on the check pool; duplicate lookup)
 before its Job is created. The Lab leaves queueing to the cluster (no
 gpuSlots), so every Experiment gets a Job.
@@ -182,7 +183,8 @@ def client(url: str, count: int, timeout: float, answer: str) -> int:
         time.sleep(0.02)
     t_all = time.perf_counter() - t0
     Path(answer).write_text(json.dumps({"created": created, "seen": dict(seen), "create_seconds": t_created,
-                      "all_seconds": t_all, "cpu_seconds": round(time.process_time() - cpu0, 2)}))
+                                        "all_seconds": t_all,
+                                        "cpu_seconds": round(time.process_time() - cpu0, 2)}))
     return 0
 
 
@@ -237,7 +239,6 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
             "metadata": {"name": "default", "namespace": NS},
             "spec": {"backend": "kubernetes", "profile": "tiny", "data": "synthetic",
                      "kubernetes": {"image": "autolab-bench:bench"}}})
-        specs = experiments(count)
         # The client (the creates, and a watch of Jobs that notes when each appears) is a
         # process of its own, as kubectl and whoever waits for the Jobs are: not this process's
         # threads, which would share the operator's GIL.
@@ -252,7 +253,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
         spy = None
         if a.py_spy:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--gil",
-                                    "--rate", "250", "--format", "raw", "--duration", str(round(a.duration)),
+                                    "--rate", "250", "--format", "raw", "--duration", str(a.duration),
                                     "--output", f"{a.py_spy}.{count}"], stdout=subprocess.DEVNULL)
             time.sleep(1.0)  # attached to every process before the first create
         cpu0 = {k: cpu_seconds(v, k != "operator") for k, v in procs.items()}
@@ -279,7 +280,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
         for t in op.timings:
             timings.setdefault(t.handler, []).append(t.seconds)
         figures = {
-            "experiments": len(specs), "jobs": len(latency),
+            "experiments": count, "jobs": len(latency),
             "create_seconds": round(t_created, 2), "all_jobs_seconds": round(t_all, 2),
             "jobs_per_second": round(len(latency) / t_all, 2),
             "create_to_job_p50_s": round(pct(latency, 0.5), 2),
@@ -297,7 +298,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
             "cpu_seconds_until_last_job": cpu,
         }
         print(f"load average at the start: {load}")
-        print(f"{len(latency)} of {len(specs)} Experiments got their Job "
+        print(f"{len(latency)} of {count} Experiments got their Job "
               f"({t_all:.1f} s in all; creating them took {t_created:.1f} s)")
         print(f"create -> Job created: p50 {figures['create_to_job_p50_s']} s, "
               f"p95 {figures['create_to_job_p95_s']} s, max {figures['create_to_job_max_s']} s; "
@@ -309,7 +310,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
             print(f"  {k:<10} {v['events']:>6} events  p50 {v['p50_ms']:>8.1f} ms  "
                   f"p95 {v['p95_ms']:>8.1f} ms  max {v['max_ms']:>8.1f} ms")
         print(f"operator RSS: {rss_before:.0f} MiB before it started, {rss_now:.0f} MiB with "
-              f"{len(specs)} Experiments in flight, peak {rss_peak:.0f} MiB")
+              f"{count} Experiments in flight, peak {rss_peak:.0f} MiB")
         return figures
     finally:
         emulator.terminate()
