@@ -173,7 +173,11 @@ def test_validate_catches_a_repeat_inside_one_batch(lab, source, tmp_path, capsy
 
 
 def test_validate_refuses_to_reuse_a_name(lab, source, tmp_path, capsys):
-    d = doc(lab, "mlp-3", udiff(source, source.replace("SEED = 42", "SEED = 45")))
+    # Its own first experiment: pytest-xdist may run the other tests of this module elsewhere.
+    same_as_controller(lab, doc(lab, "name-taken", udiff(
+        source, source.replace("WARMDOWN_RATIO = ", "WARMDOWN_RATIO = 0.01 + "))), tmp_path,
+        capsys, "Queued", "ChecksPassed")
+    d = doc(lab, "name-taken", udiff(source, source.replace("SEED = 42", "SEED = 45")))
     rc, f = validate(lab, d, tmp_path, capsys)
     assert rc == 1 and f["reason"] == "NameTaken"
     assert "already exists (phase Queued)" in f["message"]
