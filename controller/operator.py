@@ -337,7 +337,9 @@ class LabRuntime:
         self.ledger = self.engine.ledger
         if self.spec.backend in ("local", "kubernetes"):
             # Read once here (one thread), not by the first batch of Jobs at once: every
-            # handler thread missed the cache together and parsed prepare.py in turn.
+            # handler thread missed the cache together and parsed prepare.py in turn. The
+            # backend's module too: imported by the first pass to submit, it held the GIL.
+            import controller.backends.kubernetes  # noqa: F401
             from controller.lab.profiles import profiles
 
             with contextlib.suppress(Exception):
@@ -527,7 +529,7 @@ class Operator:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            self.connect().core.create_namespaced_event(namespace, body, _preload_content=False)
+            self.connect().create_event(namespace, body)
         except ApiException as e:
             if e.status == 409:  # told before (by this operator or one that died after it)
                 return False
@@ -643,7 +645,6 @@ class Operator:
     def configure(self, settings: Any, **_: Any) -> None:
         import kopf
 
-        self.connect().warm_up()  # before the first events, not in their handlers
         self.settings = settings
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -270,26 +271,83 @@ def test_candidates_of_one_master_dump_only_the_statements_they_change(monkeypat
     assert dumped == ["Assign"]
 
 
-def test_a_check_parses_its_candidate_once(repo, monkeypatch):
-    """The tree that compiles is the tree that is hashed: compiling the text would parse it
-    a second time."""
+def test_a_check_compiles_the_text_once_and_parses_only_the_lines_it_changed(repo, monkeypatch):
+    """What a check costs is Python's parser: the candidate's text is compiled once (every
+    error `python` would raise), and only the statement its diff changed is parsed into a
+    tree for the semantic hash; the master's statements were parsed when it was hashed."""
     import ast
     import builtins
 
-    seen: list[str] = []
+    from controller.core.hashing import semantic_hash
+
+    semantic_hash(SURFACE)  # as syncing the master does
+    parsed: list[str] = []
+    compiled: list[str] = []
     real_parse, real_compile = ast.parse, builtins.compile
 
     def parse(source, *a, **k):
-        seen.append("parse")
+        parsed.append(source)
         return real_parse(source, *a, **k)
 
     def compile_(source, filename, mode="exec", flags=0, *a, **k):
         if filename == repo.lab.surface and not flags & ast.PyCF_ONLY_AST:  # not ast.parse's
-            seen.append("compile text" if isinstance(source, (str, bytes)) else "compile tree")
+            compiled.append("text" if isinstance(source, (str, bytes)) else "tree")
         return real_compile(source, filename, mode, flags, *a, **k)
 
     monkeypatch.setattr(ast, "parse", parse)
     monkeypatch.setattr(builtins, "compile", compile_)
-    c = repo.materialise("e1", spec(repo, udiff(SURFACE, SURFACE.replace("0.02", "0.03"))))
+    changed = SURFACE.replace("0.02", "0.03")
+    c = repo.materialise("e1", spec(repo, udiff(SURFACE, changed)))
     assert not c.refusal
-    assert seen == ["parse", "compile tree"]
+    assert compiled == ["text"]
+    assert parsed == [line for line in changed.splitlines() if "0.03" in line]
+    monkeypatch.undo()
+    assert c.semantic_hash == hashlib.sha1(ast.dump(ast.parse(changed)).encode()).hexdigest()
+
+
+# Lines that join or split statements when dropped into a file: blocks continued or closed,
+# decorators, brackets, strings and continuations left open, statements sharing a line.
+TRICKY_LINES = ["    y = 3", "else:", "x = 1", "@dec", "def g():", "    return 2", "'''", "x = (",
+                ")", "# a comment", "", "if x:", "z = 1 + \\", "class K:", "    pass", "try:",
+                "except Exception:", "finally:", "a = 1; b = 2", "elif x:", "\tq = 1", "\x0cw = 2",
+                "s = '''one", "two'''", "@(", "    dec)", "match x:", "    case 1:", "        pass",
+                "x = 1\r", "t = '''a\r\nb'''"]
+
+
+def test_the_semantic_hash_of_any_edit_is_the_hash_of_its_whole_ast():
+    """Edits that a diff can make, lines inserted, replaced or deleted anywhere, often where
+    they join a statement to the lines around it: whenever the result parses, the hash that
+    parsed only what changed is sha1(ast.dump(ast.parse(text))); otherwise it does not compile."""
+    import ast
+    import random
+
+    from controller.core.hashing import compile_source, semantic_hash
+
+    base = (Path(__file__).resolve().parents[1] / "bench" / "train.py").read_text()
+    semantic_hash(base)
+    rng = random.Random(15)
+    lines = base.split("\n")
+    parsed = 0
+    for _ in range(400):
+        new = list(lines)
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            at = rng.randrange(len(new) + 1)
+            what = rng.choice(("insert", "replace", "delete", "indent"))
+            if what == "insert":
+                new.insert(at, rng.choice(TRICKY_LINES))
+            elif at < len(new) and what == "replace":
+                new[at] = rng.choice(TRICKY_LINES)
+            elif at < len(new) and what == "delete":
+                del new[at]
+            elif at < len(new):
+                new[at] = "    " + new[at]
+        text = "\n".join(new)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            with pytest.raises(SyntaxError):
+                compile_source(text, "bench/train.py")
+            continue
+        parsed += 1
+        assert semantic_hash(text) == hashlib.sha1(ast.dump(tree).encode()).hexdigest(), text
+    assert parsed > 100  # the edits that keep a file valid are what the shortcut must get right

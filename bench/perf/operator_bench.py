@@ -257,12 +257,9 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
                                     "--output", f"{a.py_spy}.{count}"], stdout=subprocess.DEVNULL)
             time.sleep(1.0)  # attached to every process before the first create
         cpu0 = {k: cpu_seconds(v, k != "operator") for k, v in procs.items()}
-        peak_during = 0.0
         client.stdin.write("go\n")
         client.stdin.flush()
-        while client.poll() is None:
-            time.sleep(0.05)
-            peak_during = max(peak_during, rss_mb()[0])
+        client.wait()  # the peak RSS is the kernel's (VmHWM): nothing to sample meanwhile
         # The operator's own (the client it has just reaped is not its CPU).
         cpu = {k: round(cpu_seconds(v, k != "operator") - cpu0[k], 2) for k, v in procs.items() if k != "client"}
         got = json.loads(answer.read_text())

@@ -446,8 +446,7 @@ class KubernetesBackend:
 
     # -- the key Secret ----------------------------------------------------------------------------
     def _create_secret(self, namespace: str, body: dict) -> dict:
-        return json.loads(self.kube.core.create_namespaced_secret(
-            namespace, body, _preload_content=False).data)
+        return self.kube.create_secret(namespace, body)
 
     def _read_secret(self, name: str) -> dict | None:
         try:

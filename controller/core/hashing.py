@@ -25,6 +25,19 @@ spans (with its columns and kind): a statement's AST is a function of its own
 tokens, and those lines hold every one of them. The module's dump is the same
 string `ast.dump` gives, built from the statements' dumps (a test holds them
 equal), so the hash is the one every ledger row and master already carries.
+
+Building the Python tree of the whole file costs more than the dump did (`ast.parse`
+of train.py ~6 ms, then `compile()` of that tree ~4 ms, as much as compiling the
+text). So a check compiles the text (`compile_source`: the compiler Python runs,
+every syntax error it would raise) and parses only what changed: the lines between
+the longest run of whole statements the candidate shares, line for line, with the
+start of a module hashed before and the longest it shares with its end
+(`_Module`, a few remembered per process). That middle is parsed on its own. A
+tokenizer reads the shared lines the same way whatever follows them, and the
+middle, parsed alone, starts at column 0 and ends with nothing open (a bracket,
+a string, a block waiting for `else:`): so the whole file's statements are the
+shared ones around the middle's. A middle that does not parse alone (an indented
+line continuing a shared block, say) is not a shortcut: the whole file is parsed.
 """
 
 from __future__ import annotations
@@ -98,50 +111,120 @@ def parse_python(source: str, filename: str = "<unknown>", mode: str = "exec") -
         return ast.parse(source, filename, mode)
 
 
-def compile_tree(tree: ast.AST, filename: str) -> None:
-    """`compile()` of a parsed module, as the check runs it; raises SyntaxError like it.
-
-    Under `_AST_LOCK` too: turning the tree back into the compiler's own is the other half
-    of the AST code that keeps that counter."""
-    with _AST_LOCK:
-        compile(tree, filename, "exec", dont_inherit=True)
+def compile_source(source: str, filename: str) -> None:
+    """`compile()` of the text, as `python` runs it; raises SyntaxError like it (and
+    RecursionError or MemoryError for what Python's compiler cannot hold either)."""
+    compile(source, filename, "exec", dont_inherit=True)
 
 
-def semantic_hash(source: str, tree: ast.AST | None = None) -> str:
-    """Hash of the AST; raises SyntaxError for source that does not parse.
+def semantic_hash(source: str) -> str:
+    """Hash of the AST of source that compiles (a check compiles it first); SyntaxError
+    where the whole file is parsed and does not parse.
 
-    `tree` is `parse_python(source)` where the caller parsed it already (a check compiles
-    the same tree it hashes)."""
-    if tree is None:
+    Only the statements that differ from a module hashed before are parsed and dumped
+    (see the module's docstring); the hash is sha1(ast.dump(ast.parse(source)))."""
+    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    module = _Module.shortcut(lines)
+    if module is None:
         tree = parse_python(source)
-    return hashlib.sha1(_dump_module(source, tree).encode("utf-8")).hexdigest()
+        if not isinstance(tree, ast.Module) or tree.type_ignores:
+            return hashlib.sha1(ast.dump(tree).encode("utf-8")).hexdigest()
+        module = _Module.of(lines, tree.body, 0)
+    _Module.remember(module)
+    return hashlib.sha1(
+        f"Module(body=[{', '.join(module.dumps)}], type_ignores=[])".encode("utf-8")).hexdigest()
 
 
 STATEMENT_DUMPS_MAX = 4096  # top-level statements remembered (a few masters' worth)
 _STATEMENT_DUMPS: OrderedDict[tuple, str] = OrderedDict()
 _STATEMENT_DUMPS_LOCK = threading.Lock()
+MODULES_KEPT = 4  # modules a later one is compared with (a master and the candidates of it)
 
 
-def _dump_module(source: str, tree: ast.AST) -> str:
-    """`ast.dump(tree)` (fields named, no positions), each top-level statement's part memoised."""
-    if not isinstance(tree, ast.Module) or tree.type_ignores:
-        return ast.dump(tree, annotate_fields=True, include_attributes=False)
-    # Line numbers count lines as the tokenizer does, after it made every line end a LF.
-    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    parts = []
-    for node in tree.body:
-        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
-        key = (type(node).__name__, node.col_offset, node.end_col_offset,
-               "\n".join(lines[first - 1:node.end_lineno]))
-        with _STATEMENT_DUMPS_LOCK:
-            dumped = _STATEMENT_DUMPS.get(key)
-            if dumped is not None:
-                _STATEMENT_DUMPS.move_to_end(key)
-        if dumped is None:
-            dumped = ast.dump(node, annotate_fields=True, include_attributes=False)
-            with _STATEMENT_DUMPS_LOCK:
-                _STATEMENT_DUMPS[key] = dumped
-                while len(_STATEMENT_DUMPS) > STATEMENT_DUMPS_MAX:
-                    _STATEMENT_DUMPS.popitem(last=False)
-        parts.append(dumped)
-    return f"Module(body=[{', '.join(parts)}], type_ignores=[])"
+def _statement_dump(node: ast.stmt, text: str) -> str:
+    """`ast.dump` of one top-level statement, remembered by its kind, columns and lines."""
+    key = (type(node).__name__, node.col_offset, node.end_col_offset, text)
+    with _STATEMENT_DUMPS_LOCK:
+        dumped = _STATEMENT_DUMPS.get(key)
+        if dumped is not None:
+            _STATEMENT_DUMPS.move_to_end(key)
+            return dumped
+    dumped = ast.dump(node, annotate_fields=True, include_attributes=False)
+    with _STATEMENT_DUMPS_LOCK:
+        _STATEMENT_DUMPS[key] = dumped
+        while len(_STATEMENT_DUMPS) > STATEMENT_DUMPS_MAX:
+            _STATEMENT_DUMPS.popitem(last=False)
+    return dumped
+
+
+class _Module:
+    """A hashed module as lines and units: runs of top-level statements that share no line
+    with another run (`a = 1; b = 2` is one unit), each with its first and last line
+    (0-based, decorators included) and the dumps of its statements."""
+
+    _kept: list["_Module"] = []
+    _lock = threading.Lock()
+
+    def __init__(self, lines: list[str], units: list[tuple[int, int, list[str]]]):
+        self.lines = lines
+        self.units = units
+
+    @property
+    def dumps(self) -> list[str]:
+        return [d for _, _, ds in self.units for d in ds]
+
+    @classmethod
+    def of(cls, lines: list[str], body: list[ast.stmt], offset: int) -> "_Module":
+        """Units of statements parsed from `lines[offset:]` (line numbers count from there)."""
+        units: list[tuple[int, int, list[str]]] = []
+        for node in body:
+            first = offset + min([node.lineno, *(d.lineno for d in
+                                                 getattr(node, "decorator_list", ()))]) - 1
+            last = offset + (node.end_lineno or node.lineno) - 1
+            dump = _statement_dump(node, "\n".join(lines[first:last + 1]))
+            if units and first <= units[-1][1]:  # shares a line with the unit before
+                units[-1] = (units[-1][0], max(last, units[-1][1]), units[-1][2] + [dump])
+            else:
+                units.append((first, last, [dump]))
+        return cls(lines, units)
+
+    @classmethod
+    def remember(cls, module: "_Module") -> None:
+        with cls._lock:
+            cls._kept = [module] + [m for m in cls._kept if m is not module][:MODULES_KEPT - 1]
+
+    @classmethod
+    def shortcut(cls, lines: list[str]) -> "_Module | None":
+        """`lines` as units, parsing only what no kept module holds; None: parse it all."""
+        with cls._lock:
+            kept = list(cls._kept)
+        best: tuple[int, "_Module", int, int] | None = None
+        for ref in kept:
+            n = min(len(lines), len(ref.lines))
+            head = 0
+            while head < n and lines[head] == ref.lines[head]:
+                head += 1
+            tail = 0
+            while tail < n - head and lines[-1 - tail] == ref.lines[-1 - tail]:
+                tail += 1
+            if best is None or head + tail > best[0]:
+                best = (head + tail, ref, head, tail)
+        if best is None:
+            return None
+        _, ref, head, tail = best
+        before = [u for u in ref.units if u[1] < head]  # whole units within the shared head
+        after = [u for u in ref.units if u[0] >= len(ref.lines) - tail]  # ... and tail
+        start = before[-1][1] + 1 if before else 0
+        shift = len(lines) - len(ref.lines)
+        end = (after[0][0] + shift) if after else len(lines)  # the middle: lines[start:end]
+        if end < start:
+            return None
+        try:
+            tree = parse_python("\n".join(lines[start:end]))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None  # not a run of whole statements on its own: parse the file
+        if not isinstance(tree, ast.Module) or tree.type_ignores:
+            return None
+        middle = cls.of(lines, tree.body, start)
+        return cls(lines, before + middle.units + [(f + shift, l + shift, ds)
+                                                   for f, l, ds in after])

@@ -45,8 +45,8 @@ from typing import Any, Callable
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
-from controller.core.hashing import (candidate_hash, check_candidate_source, compile_tree,
-                                     parse_python, semantic_hash)
+from controller.core.hashing import (candidate_hash, check_candidate_source, compile_source,
+                                     semantic_hash)
 from controller.core.reconcile import Candidate, Master, PromotionResult, promotion_refused
 from controller.core.spec import ExperimentSpec, LabSpec, SpecError
 from controller.lab.paths import LabPaths
@@ -289,10 +289,9 @@ class LabRepo:
             return Candidate(refusal="Invalid", reason=refused.reason,
                              message=refused.message), master.commit
         source = raw.decode("utf-8")
-        try:  # parsed once: the tree that compiles is the tree that is hashed
-            tree = parse_python(source, surface)
-            compile_tree(tree, surface)
-            sem = semantic_hash(source, tree)
+        try:  # the text compiles as `python` compiles it; only what changed is parsed again
+            compile_source(source, surface)
+            sem = semantic_hash(source)
         except SyntaxError as e:
             return Candidate(refusal="Invalid", reason="CompileError",
                              message=f"candidate does not compile: {surface} line {e.lineno}: "
