@@ -462,3 +462,88 @@ print("ok")
     proc = subprocess.run([sys.executable, "-I", "-c", code, str(BENCH)], env=harness.env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+# --- functionalisation: skipped only where it would find nothing ---------------------------------
+
+
+class WritesAnIntermediate(Causal):
+    """Honest, with an in-place write to a tensor of its own making (nothing kept between calls)."""
+
+    def forward(self, idx):
+        logits = super().forward(idx).clone()
+        logits.mul_(1.0)
+        return logits
+
+
+class LayerNormed(Causal):
+    """Honest, through a composite operator outside the plain few (layer_norm)."""
+
+    def forward(self, idx):
+        return F.layer_norm(super().forward(idx), (self.vocab,))
+
+
+class DropoutInTraining(Causal):
+    """Draws random numbers on every call, hidden in a composite operator (dropout, training on)."""
+
+    def forward(self, idx):
+        return F.dropout(super().forward(idx), 0.5, training=True)
+
+
+class AddsNoise(Causal):
+    """Draws random numbers with an operator of its own kernel (rand_like)."""
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        return logits + torch.rand_like(logits)
+
+
+def _evaluator_module():
+    spec = importlib.util.spec_from_file_location("evaluate_for_tests", BENCH / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_a_program_that_may_write_or_hide_an_operator_is_retraced(harness, tmp_path, monkeypatch):
+    """check_program re-traces a program (run_decompositions, ~1.8 s of a tiny run's CPU) only
+    when that could show something: an operator that writes to a tensor, or a composite one
+    outside the plain few train.py's model uses. train.py's own model and a plain causal one are
+    checked as they are; another composite, or a write to an intermediate, is re-traced and
+    passes; a write to a buffer is re-traced and refused."""
+    E = _evaluator_module()
+    retraced = []
+    real = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self, *args, **kwargs):
+        retraced.append(True)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+
+    def check(model, name: str) -> int:
+        retraced.clear()
+        out = export(harness, model, tmp_path / name)
+        E.check_program(E.load_program(E.check_archive(E.read_archive(out / "model.pt2"))),
+                        harness.rows, harness.seq_len)
+        return len(retraced)
+
+    source = (BENCH / "train.py").read_text()
+    scope = {"__name__": "train_model_only", "__file__": str(BENCH / "train.py")}
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("AUTOLAB_BENCH_PROFILE", "tiny")
+    monkeypatch.setitem(sys.modules, "prepare", harness.prepare)
+    exec(compile(source[:source.index("model = torch.compile(")], "train.py", "exec"), scope)
+    assert check(scope["raw_model"], "train") == 0
+    assert check(Causal(harness.vocab), "causal") == 0
+    assert check(LayerNormed(harness.vocab), "layer-norm") == 1
+    assert check(WritesAnIntermediate(harness.vocab), "intermediate") == 1
+    with pytest.raises(E.Failure, match="changes its own state"):
+        check(CountsCalls(harness.vocab, True), "counts")
+    assert retraced
+
+
+@pytest.mark.parametrize("model", [DropoutInTraining, AddsNoise], ids=["dropout-in-training", "rand-like"])
+def test_a_model_that_draws_random_numbers_is_refused(harness, tmp_path, model):
+    result = evaluate(harness, export(harness, model(harness.vocab), tmp_path))
+    assert not result["ok"] and result["reason_code"] == "ExportRefused", result
+    assert "draws random numbers" in result["reason"], result["reason"]
