@@ -393,7 +393,7 @@ def test_a_model_that_peeks_at_one_position_only_fails(bench, tmp_path):
         "        super().__init__()\n"
         "        self.scale = torch.nn.Parameter(torch.tensor(30.0))\n"
         "        mask = torch.zeros(prepare.MAX_SEQ_LEN)\n"
-        "        mask[173] = 1.0  # one position of every row\n"
+        "        mask[prepare.MAX_SEQ_LEN * 2 // 3] = 1.0  # one position of every row\n"
         "        self.register_buffer('mask', mask, persistent=False)\n"
         "    def forward(self, idx):\n"
         "        nxt = torch.roll(idx, -1, dims=1)\n"

@@ -186,9 +186,10 @@ def test_an_honest_causal_model_scores_what_consecutive_windows_give(harness, tm
 @pytest.mark.parametrize("cheat", [PeekButRowZero, PeekAtFewPositions], ids=["all-rows-but-0", "positions-100-120"])
 def test_a_model_that_peeks_anywhere_is_not_causal(harness, tmp_path, cheat):
     # Every batch gets a perturbed copy, one cut per row; peeking at t is seen in a row cut at t+1.
-    # Cuts are shuffled sweeps over 1..256, so the 64 rows of the tiny profile get distinct cuts and
-    # miss positions 101..121 with probability C(235, 64) / C(256, 64) < 0.4%: a fixed seed keeps
-    # this test deterministic. Peeking in all rows but row 0 is caught by any seed.
+    # Cuts are shuffled sweeps over 1..T; where the scored rows are fewer than T the evaluator runs
+    # more perturbed copies until every position is a cut, so positions 101..121 are always among
+    # them. The fixed seed keeps the position named deterministic. Peeking in all rows but row 0 is
+    # caught by any seed.
     seed = ("--seed", FIXED_SEED) if cheat is PeekAtFewPositions else ()
     result = evaluate(harness, export(harness, cheat(harness.vocab), tmp_path), *seed)
     assert not result["ok"] and result["blame"] == "candidate", result

@@ -54,7 +54,7 @@ CONTROLLER_TIMEOUT = 300.0
 LAB_PROCESS_WAIT = 90.0  # a run whose result was forged early may still be running when the loop ends
 STRAGGLER_WAIT = 5.0
 BASELINE_ATTEMPTS = 3  # baselines measured at most before the rig takes what it has
-MIN_BASELINE_TOKENS = 24_000  # an idle 2-core machine trains ~15 steps (43,000 tokens) in BUDGET
+MIN_BASELINE_TOKENS = 12_000  # an idle 2-core machine trains ~12 steps (18,000 tokens) in BUDGET
 TERMINAL = ("Invalid", "Duplicate", "Conflict", "Succeeded", "Failed", "Cancelled")
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
