@@ -105,8 +105,8 @@ PROFILES = {
     ),
     "tiny": Profile(
         name="tiny",
-        # 128, not 256: the causality probe needs T perturbed rows of T tokens (every position a
-        # cut), so its cost goes as T^2; at 256 it was 4/5 of a tiny evaluation's scoring.
+        # 128, not 256: the causality probe cuts every position once, T perturbed rows of T
+        # tokens, so its cost goes as T^2; at 256 it was 4/5 of a tiny evaluation's scoring.
         max_seq_len=128,
         time_budget=4.0,
         eval_tokens=16 * 2**10,  # 16,384 tokens
