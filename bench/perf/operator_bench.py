@@ -105,9 +105,10 @@ def start_emulator() -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_operator(url: str, lab_root: Path, resync: float) -> tuple[Operator, callable]:
+def start_operator(url: str, lab_root: Path, resync: float,
+                   workers: int | None = None) -> tuple[Operator, callable]:
     op = Operator(OperatorConfig(lab_root=lab_root, resync_seconds=resync, server=url,
-                                 scanning=False, watch_timeout=None))
+                                 scanning=False, watch_timeout=None, workers=workers))
     registry = register(op, kopf.OperatorRegistry())
     settings = kopf.OperatorSettings()
     loop = asyncio.new_event_loop()
@@ -195,6 +196,8 @@ def main() -> int:
     p.add_argument("--experiments", type=int, nargs="+", default=[50, 1000],
                    help="Experiments created at once, one round per count")
     p.add_argument("--resync", type=float, default=30.0, help="the operator's timer (seconds)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="the operator's handler threads (default: controller.operator.HANDLER_WORKERS)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds of steady state after the last Job (default 2 * resync + 5, "
                         "at most 90)")
@@ -233,7 +236,7 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
         lab = init_lab(tmp / "labs" / "default", profile="tiny", data="synthetic")
         lab.repo.set_master_metric(1.0)  # measured already: no baseline run in the way
         rss_before, _ = rss_mb()
-        op, stop = start_operator(url, tmp / "labs", a.resync)
+        op, stop = start_operator(url, tmp / "labs", a.resync, a.workers)
         custom.create_namespaced_custom_object("autolab.dev", "v1alpha1", NS, "labs", {
             "apiVersion": "autolab.dev/v1alpha1", "kind": "Lab",
             "metadata": {"name": "default", "namespace": NS},
