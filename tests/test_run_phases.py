@@ -369,7 +369,9 @@ def test_uid_mode_candidate_finds_the_waiting_evaluator_and_can_use_nothing_of_i
     tried = json.loads(line[len("HUNT "):])
     assert set(tried) == {"read val.bin", "forge verdict", "write its stdin", "signal it"}, tried
     assert "DONE" not in tried.values(), tried
-    assert result["status"] == "succeeded" and result["metrics"]["val_bpb"] > 0.5, result
+    # the forged verdict says 0.01; an honest tiny run scores about 0.4-0.7 (0.49 on CI's machine,
+    # where T=128 trains more steps in the budget), so 0.1 tells the two apart with room either side
+    assert result["status"] == "succeeded" and result["metrics"]["val_bpb"] > 0.1, result
 
 
 @needs_root
