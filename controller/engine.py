@@ -454,9 +454,14 @@ class Engine:
                 self.book.observe(name, st, priority)
             # A status is stored before any effect outside the engine: a slot from the book
             # (in memory) is none, so a status that only asks for one waits for the next step's
-            # and both are one write ("All slots are busy" is stored only when they are).
-            if st != written and not (decision.intents and schedule and all(
-                    i.kind == "acquire-slot" for i in decision.intents)):
+            # and both are one write ("All slots are busy" is stored only when they are). Nor
+            # is an Experiment's first status (Pending) stored before its checks: their effect,
+            # its worktree, is found again by its name, so a controller that dies meanwhile
+            # checks it again; the checks' outcome and it are one write, where a batch of specs
+            # made them two (a request, and a watch event for the operator, per Experiment).
+            kinds = decision.kinds()
+            if st != written and not (kinds and schedule and all(k == "acquire-slot" for k in kinds)) \
+                    and not (not written and list(kinds) == ["materialise"]):
                 written = self._store(name, st, written)
             if not decision.intents:
                 break

@@ -88,6 +88,11 @@ COMPONENT = "autolab-operator"  # who tells the Events (`kubectl describe`'s Fro
 USER_AGENT = "autolab-operator/0.1"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 HANDLER_WORKERS = 32  # threads running handlers at once (each mostly waits on I/O)
+# The Lab's status follows its Experiments' phases this long after a change at most (plus one
+# write): the changes told meanwhile are one write. A batch of 50 specs told it ~100 times,
+# each write a request and a watch event the operator's one process paid for while the
+# batch's Jobs waited; and the write was made on a pass's thread, before that pass's Job.
+MIRROR_DELAY = 0.25
 CHECK_POOL_START_SECONDS = 60.0  # start-up waits at most this long for the check pool
 
 
@@ -267,27 +272,38 @@ class ClusterEvents:
         self.rt.op._event(self.rt.lab_obj, event)
 
     def lab_changed(self) -> None:
-        """Mirror the Lab's status, one writer at a time. A change told while a mirror is
-        being written is left to that writer, which reads the lab again and writes once more:
-        the last write holds the latest state, and a burst of changes is a few writes."""
+        """Mirror the Lab's status soon, off the caller's thread, one writer at a time.
+
+        The first change of a burst starts the writer; the changes told while it waits
+        (MIRROR_DELAY) or writes are left to it, and it reads the lab again and writes once
+        more: the last write holds the latest state, and a burst of changes is a few writes.
+        A write that fails is logged; the Lab's timer mirrors its status again.
+        """
         rt = self.rt
         with rt.mirror_lock:
             rt.mirror_wanted = True
             if rt.mirroring:
                 return
             rt.mirroring = True
+        threading.Thread(target=self._mirror, name=f"mirror {rt.namespace}/{rt.name}",
+                         daemon=True).start()
+
+    def _mirror(self) -> None:
+        rt = self.rt
         try:
             while True:
+                time.sleep(MIRROR_DELAY)
                 with rt.mirror_lock:
-                    if not rt.mirror_wanted:
+                    if not rt.mirror_wanted or rt.op.closed:
                         rt.mirroring = False
                         return
                     rt.mirror_wanted = False
                 rt.op._mirror_lab(rt)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 - a thread of its own: nobody else would see it
+            object_log(rt.namespace, rt.name, "Lab").warning(
+                "the Lab's status was not mirrored (%s); its timer tries again", e)
             with rt.mirror_lock:
                 rt.mirroring = False
-            raise
 
 
 def _noise_status(doc: dict | None) -> dict | None:
@@ -436,6 +452,7 @@ class Operator:
         self.phases: dict[tuple[str, str], str | None] = {}  # as this operator last wrote them
         self.timings: collections.deque[Timing] = collections.deque(maxlen=100_000)
         self.settings: Any = None  # kopf's, from the startup handler
+        self.closed = False  # set by the cleanup handler
         self._queued: set[str] = set()  # objects with a resync pass waiting for a thread
         # Experiments whose last pass failed for good, with the generation it failed at: the
         # timer leaves them alone until the object changes (or the operator restarts).
@@ -802,25 +819,32 @@ class Operator:
                         "written before it goes", delay=self.config.retry_seconds)
         self._timed("delete", work)
 
-    def run_changed(self, type: str | None, body: Any, namespace: str, **_: Any) -> None:
-        """A Job or Pod of ours changed: pass over its Experiment (or its Lab, for a baseline)."""
-        from controller.kube.cluster import LABEL_BASELINE, LABEL_EXPERIMENT, LABEL_LAB
+    def run_matters(self, type: str | None, body: Any, namespace: str, **_: Any) -> bool:
+        """Whether a Job's or Pod's event is worth a pass: kopf's `when` filter, asked in its
+        event loop, so that the many that are not (a Job just created, a Pod still queued) cost
+        no handler thread."""
+        from controller.kube.cluster import LABEL_EXPERIMENT
 
         if type is None or (type == "ADDED" and body.get("kind") == "Job"):
-            return  # the initial listing (resume covers it), or a Job we just created
-        meta = body.get("metadata") or {}
-        labels = meta.get("labels") or {}
+            return False  # the initial listing (resume covers it), or a Job we just created
         if body.get("kind") == "Pod" and type != "DELETED":
             st = body.get("status") or {}
             terminated = any((cs.get("state") or {}).get("terminated")
                              for cs in st.get("containerStatuses") or [])
             if st.get("phase") == "Pending" and not terminated:
-                return  # still queued, as the Experiment already says
-
-        experiment = labels.get(LABEL_EXPERIMENT)
+                return False  # still queued, as the Experiment already says
+        experiment = ((body.get("metadata") or {}).get("labels") or {}).get(LABEL_EXPERIMENT)
         key = (namespace, experiment or "")
-        if experiment and self.phases.get(key) in TERMINAL and key not in self.unsettled:
-            return  # its result is recorded; a Job or Pod going away changes nothing
+        # its result is recorded; a Job or Pod going away changes nothing
+        return not (experiment and self.phases.get(key) in TERMINAL and key not in self.unsettled)
+
+    def run_changed(self, body: Any, namespace: str, **_: Any) -> None:
+        """A Job or Pod of ours changed (and `run_matters`): pass over its Experiment (or its
+        Lab, for a baseline)."""
+        from controller.kube.cluster import LABEL_BASELINE, LABEL_EXPERIMENT, LABEL_LAB
+
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        experiment = labels.get(LABEL_EXPERIMENT)
 
         def work() -> None:
             if experiment:
@@ -848,6 +872,7 @@ class Operator:
                             object_log(namespace, name, "Lab"))
 
     def shutdown(self, **_: Any) -> None:
+        self.closed = True  # a Lab's mirror still waiting writes nothing
         if self.kube is not None:
             self.kube.api.close()
 
@@ -895,8 +920,8 @@ def register(op: Operator, registry: Any, login: bool = True) -> Any:
     kopf.on.resume(*LABS, id="lab-resume", backoff=retry, registry=registry)(op.lab_changed)
     kopf.timer(*LABS, id="lab-resync", interval=r, initial_delay=r,
                registry=registry)(op.lab_tick)
-    kopf.on.event("batch", "v1", "jobs", id="job-changed", labels=ours,
+    kopf.on.event("batch", "v1", "jobs", id="job-changed", labels=ours, when=op.run_matters,
                   registry=registry)(op.run_changed)
-    kopf.on.event("v1", "pods", id="pod-changed", labels=ours,
+    kopf.on.event("v1", "pods", id="pod-changed", labels=ours, when=op.run_matters,
                   registry=registry)(op.run_changed)
     return registry
