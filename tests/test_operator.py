@@ -475,6 +475,43 @@ async def test_two_winners_built_on_one_master_never_erase_each_other(cluster):
     assert promotions[0]["previous"]["hash"] == SEED_HASH  # built on the master it replaced
 
 
+async def test_a_spec_applied_after_another_writer_moved_the_master_is_checked_against_it(cluster):
+    """Someone else promotes into the master ConfigMap (a hand edit, an operator being
+    replaced) a moment before a spec is applied, while the operator holds a copy of the master
+    it read in the last second. The spec's checks read the master again (a read begun after
+    they asked, shared by the checks that ask meanwhile): its candidate is built on the moved
+    master, runs, and is promoted over it; the master history stays a line. (Checked against
+    the copy instead, it ran on the old master and its win was refused as MasterMoved.)"""
+    from controller.kube.cluster import Kube, MasterStore
+
+    c = cluster
+    seed_lab(c.root, 1.0)
+    await c.apply("labs", LAB)
+    async with operator(c):
+        await c.apply("experiments", experiment("warm", "EMBEDDING_LR = 0.3", "EMBEDDING_LR = 0.2"))
+        await c.until("its Job", lambda: c.get(JOBS, "exp-warm-1"))  # the master was just read
+        by_hand = SURFACE.replace("WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4", 1)
+        store = MasterStore(Kube(c.api), NS, "default")
+        moved = await c.call(store.promote, "by-hand", by_hand, "f" * 40, 0.97, SEED_HASH, 0.0,
+                             "2026-12-04T00:00:00Z")
+        assert moved.promoted
+        await c.apply("experiments", experiment("after", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05"))
+        await c.until("its Job", lambda: c.get(JOBS, "exp-after-1"), timeout=60)
+        surface = c.get(CMS, "exp-after-1-surface")["data"]["train.py"]
+        assert "WARMDOWN_RATIO = 0.4" in surface and "MATRIX_LR = 0.05" in surface
+        pod = await c.start_pod("exp-after-1")
+        await c.finish_pod(pod, result(0.90), 0)  # beats the seed and the hand edit
+        await c.until("its outcome", lambda: (c.get(EXP, "after").get("status") or {}).get(
+            "outcome"), timeout=60)
+    st = c.get(EXP, "after")["status"]
+    assert st["outcome"] == "Promoted" and st["parentHash"] == candidate_hash(by_hand), st
+    data = c.get(CMS, "default-master")["data"]
+    assert data["train.py"] == surface
+    promotions = json.loads(data["promotions.json"])
+    assert [p["experiment"] for p in promotions] == ["by-hand", "after"]
+    assert promotions[1]["previous"]["hash"] == promotions[0]["hash"]
+
+
 async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
     c = cluster
     seed_lab(c.root, 1.0)
