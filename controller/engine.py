@@ -460,8 +460,9 @@ class Engine:
             # checks it again; the checks' outcome and it are one write, where a batch of specs
             # made them two (a request, and a watch event for the operator, per Experiment).
             kinds = decision.kinds()
-            if st != written and not (kinds and schedule and all(k == "acquire-slot" for k in kinds)) \
-                    and not (not written and list(kinds) == ["materialise"]):
+            only_a_slot = bool(kinds) and schedule and all(k == "acquire-slot" for k in kinds)
+            first_before_checks = not written and kinds == ["materialise"]
+            if st != written and not only_a_slot and not first_before_checks:
                 written = self._store(name, st, written)
             if not decision.intents:
                 break
