@@ -8,6 +8,7 @@
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
                            [--compile-cache-from SHA1] [--gate FILE] [--handover FILE]
+                           [--handback FILE]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -60,9 +61,16 @@ controller may start the GPU's next run beside it with `--gate`: that run
 imports, compiles and warms up, and its first request for data is answered
 only once the gate file is gone (the controller removes it when it submits
 that run, after this one's verdict). The wait is timed as `gpu_wait_seconds`,
-not as start-up. An evaluation that runs out of time after the handover is an
-error (nothing measured), not the candidate's failure: the newcomer may have
-slowed it.
+not as start-up. An evaluation that runs out of time after the handover may
+have been slowed by the newcomer, so it is not yet the candidate's failure:
+with `--handback FILE` the harness withdraws the handover (removes that file),
+writes FILE, and waits for the controller to stop the newcomer and remove
+FILE; then it measures the export once more, in a fresh evaluator, alone on
+the GPU, with the whole `eval_timeout`. Running out of time again is the
+candidate's failure (`EvaluationFailed`, status failed, so the lab never runs
+it again). Without `--handback`, or if nobody removes FILE within
+HANDBACK_WAIT_SECONDS, nothing was measured: an error, and the candidate may
+be run again.
 
 Sandboxes (`--sandbox`):
 
@@ -178,6 +186,10 @@ PHASES = ("all", "stage", "train", "evaluate")
 # is looked at, and how long a candidate may wait there before the run is given up.
 GATE_POLL_SECONDS = 0.05
 GATE_LIMIT_SECONDS = 1800.0
+# --handback: how long an evaluation that ran out of time beside the next run's start-up waits for
+# the controller to stop that run (it removes the handback file) before giving up: the local
+# controller looks at its running runs about once a second.
+HANDBACK_WAIT_SECONDS = 60.0
 EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidate, when stats.json is late
 # Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
 # (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
@@ -1087,8 +1099,9 @@ class Evaluator:
             while not (self.dir / "peak").exists() and self.proc.poll() is None \
                     and time.monotonic() - began < timeout:
                 time.sleep(0.02)
-            with contextlib.suppress(OSError):
-                handover.write_text("the candidate is gone and the evaluator holds the memory it needs\n")
+            with contextlib.suppress(OSError):  # not when out of time: it ran alone until then
+                if time.monotonic() - began < timeout:
+                    handover.write_text("the candidate is gone and the evaluator holds the memory it needs\n")
         timed_out = False
         try:
             self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - began)))
@@ -1111,20 +1124,29 @@ def _early_evaluator() -> bool:
 
 
 def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
-             evaluator: Evaluator | None = None, handover: Path | None = None) -> dict:
-    """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none."""
+             evaluator: Evaluator | None = None, handover: Path | None = None,
+             handback: Path | None = None) -> dict:
+    """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none.
+    An evaluation that runs out of time beside the next run's start-up is measured again alone
+    (see --handback)."""
     prof = prepare.PROFILES[prepare.PROFILE]
     evaluator = evaluator or Evaluator(eval_dir, data, log)
     log.harness("measuring val_bpb of the exported model in a separate evaluator process")
     eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout, handover)
+    too_slow = f"evaluating the exported model took longer than {prof.eval_timeout:g}s"
     if eval_timed_out and handover is not None and os.path.lexists(handover):
-        # The next run may have started up beside it and slowed it: not this candidate's fault.
-        raise Outcome("error", "EvaluationFailed", f"evaluating the exported model took longer than "
-                                                   f"{prof.eval_timeout:g}s while the GPU was shared with the "
-                                                   "next run's start-up; nothing was measured", exit_code)
+        # The next run may have started up beside it and slowed it: not yet this candidate's fault.
+        if handback is None or not _hand_back(handover, handback, log):
+            raise Outcome("error", "EvaluationFailed", f"{too_slow} while the GPU was shared with the next "
+                                                       "run's start-up; nothing was measured", exit_code)
+        log.harness("the GPU is this run's alone again: measuring the exported model once more")
+        alone = eval_dir / "alone"
+        alone.mkdir()
+        evaluator = Evaluator(alone, data, log)
+        eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout)
+        too_slow += (" twice: beside the next run's start-up, then again with the GPU to itself")
     if eval_timed_out:
-        raise Outcome("failed", "EvaluationFailed", f"evaluating the exported model took longer than "
-                                                    f"{prof.eval_timeout:g}s", exit_code)
+        raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
     try:
         evaluation = json.loads(evaluator.out.read_text())
     except (OSError, ValueError):
@@ -1135,6 +1157,27 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         raise Outcome(status, evaluation.get("reason_code") or "EvaluationFailed",
                       f"evaluation failed: {evaluation.get('reason')}", exit_code)
     return evaluation
+
+
+def _hand_back(handover: Path, handback: Path, log: RunLog) -> bool:
+    """Withdraw the handover and ask for the GPU back (write `handback`); True once the controller
+    has stopped the run it started up beside this one (it removes `handback`), False if it has not
+    within HANDBACK_WAIT_SECONDS or the file cannot be written."""
+    log.harness(f"the evaluation ran out of time beside the next run's start-up: asking for the GPU back "
+                f"({handback})")
+    try:
+        handover.unlink(missing_ok=True)  # first: a controller that sees it starts nothing more
+        handback.write_text("the evaluation ran out of time beside the next run: stop it, then remove this file\n")
+    except OSError as e:
+        log.harness(f"could not ask for the GPU back: {e}")
+        return False
+    deadline = time.monotonic() + HANDBACK_WAIT_SECONDS
+    while os.path.lexists(handback):
+        if time.monotonic() > deadline:
+            log.harness(f"nobody gave the GPU back within {HANDBACK_WAIT_SECONDS:g}s")
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _succeeded(result: dict[str, Any], stats: dict, evaluation: dict, *, training: float, total: float,
@@ -1163,7 +1206,7 @@ def _run_dir(mode: str) -> Path:
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
              mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
-             gate: Path | None = None, handover: Path | None = None) -> None:
+             gate: Path | None = None, handover: Path | None = None, handback: Path | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
@@ -1200,7 +1243,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
             shutil.rmtree(scratch, ignore_errors=True)
         measuring = time.monotonic()
         evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator,
-                              handover=handover)
+                              handover=handover, handback=handback)
         result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
@@ -1397,7 +1440,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
                   seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
-                  handover: str | os.PathLike | None = None) -> dict[str, Any]:
+                  handover: str | os.PathLike | None = None,
+                  handback: str | os.PathLike | None = None) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
 
     seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for repeat runs
@@ -1407,7 +1451,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS); gate, handover: see --gate and --handover. Never raises for
+    COMPILE_SEEDS); gate, handover, handback: see --gate, --handover, --handback. Never raises for
     a failed candidate: see result["status"].
     """
     result_path = Path(result_path)
@@ -1423,7 +1467,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
                  mode=mode, log=log, result=result, compile_from=compile_from,
-                 gate=Path(gate) if gate else None, handover=Path(handover) if handover else None)
+                 gate=Path(gate) if gate else None, handover=Path(handover) if handover else None,
+                 handback=Path(handback) if handback else None)
 
     _settle(result, execute)
     return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
@@ -1692,6 +1737,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handover", default=None, metavar="FILE",
                         help="phase all: written once the candidate is gone and the evaluator holds its GPU "
                              "memory: from then on the next run may start up on this GPU")
+    parser.add_argument("--handback", default=None, metavar="FILE",
+                        help="phase all, with --handover: an evaluation that runs out of time after the "
+                             "handover writes FILE and waits until it is removed (the controller stopped the "
+                             "next run), then is measured again alone")
     args = parser.parse_args(argv)
     need = {"all": ("candidate", "result"), "stage": ("train_data",),
             "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
@@ -1722,6 +1771,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
         compile_from=args.compile_cache_from, gate=args.gate, handover=args.handover,
+        handback=args.handback,
     )
     return EXIT_CODES[result["status"]]
 

@@ -422,7 +422,9 @@ class Engine:
         run: RunObservation | None = None
         if view.job and (view.active or (deleting and not view.terminal)):
             run = self.backend(view.job.backend).observe(view.job.name)
-            if run.handover and run.state == "running" and view.job.slot:
+            if run.handback and run.state == "running":
+                self._give_back(view.job.backend, view.job.name)
+            elif run.handover and run.state == "running" and view.job.slot:
                 self._start_next(view.job.backend, view.job.slot, view.job.name)
         candidate: Candidate | None = None
         duplicate = None
@@ -526,6 +528,14 @@ class Engine:
         if status.get("phase") != written.get("phase"):
             self.events.lab_changed()
         return status
+
+    def _give_back(self, backend_name: str, evaluated: str) -> None:
+        """The run `evaluated` ran out of time beside the run started up next to it: stop that
+        one, so the harness measures its model again alone (an evaluation that is slow on a GPU
+        of its own is the candidate's failure; one slowed by a neighbour is nobody's)."""
+        give_back = getattr(self.backend(backend_name), "give_back", None)
+        if give_back is not None:
+            give_back(evaluated)
 
     def _start_next(self, backend_name: str, slot: str, evaluated: str) -> None:
         """The run `evaluated` no longer needs its GPU alone: start the slot's next run up beside it.

@@ -11,8 +11,11 @@ stands in for one GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -127,3 +130,124 @@ def test_through_the_loop_the_next_run_starts_up_during_the_evaluation_and_train
     assert second["timing"]["trained_from"] >= first["timing"]["trained_until"]
     assert not list(runs.glob(".next-*"))  # nothing started ahead is left behind
 
+
+
+# --- an evaluation that runs out of time beside the next run's start-up -------------------------
+# Alone, an evaluation past eval_timeout is the candidate's failure. Beside a run started up next
+# to it the neighbour may be the cause, so the harness asks for the GPU back (`--handback`): the
+# controller stops the neighbour, and the model is measured again alone. Without that, a candidate
+# whose model is merely slow to score would be recorded as "nothing measured" and could be run again
+# and again. The tiny profile's 120-s evaluation limit is cut to EVAL_LIMIT in a copy of the harness.
+EVAL_LIMIT = 15.0
+# The head's logits pushed through many square matrix products, only where there are no targets
+# (the exported model): it trains and exports like the master, but scoring it takes minutes.
+SLOW_OLD = "        if targets is None:\n            return logits\n"
+SLOW_NEW = ("        if targets is None:\n"
+            "            square = torch.eye(logits.size(-1), dtype=logits.dtype, device=logits.device)\n"
+            "            for _ in range(60):\n"
+            "                logits = torch.tanh(logits @ square) * LOGIT_SOFTCAP\n"
+            "            return logits\n")
+
+
+def quick_eval_bench(tmp_path: Path) -> Path:
+    bench = tmp_path / "bench-src"
+    shutil.copytree(BENCH, bench, ignore=shutil.ignore_patterns("perf", "__pycache__"))
+    text = (bench / "prepare.py").read_text()
+    assert text.count("eval_timeout=120.0") == 1  # the tiny profile's
+    (bench / "prepare.py").write_text(text.replace("eval_timeout=120.0", f"eval_timeout={EVAL_LIMIT}"))
+    return bench
+
+
+def evaluators_of(bench: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(bench / "evaluate.py").encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench, tmp_path):
+    harness = quick_eval_bench(tmp_path)
+    handover, handback = tmp_path / "handover", tmp_path / "handback"
+    seen = {}
+
+    def neighbour_then_controller():
+        # The "next run" starts up once the GPU is handed over and takes it all: the evaluator
+        # gets nothing done (stopped). When the harness asks for the GPU back, the controller
+        # stops the neighbour (here: nothing left to stop) and removes the request.
+        deadline = time.time() + 240
+        while not handover.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        starved = evaluators_of(harness)
+        for pid in starved:
+            os.kill(pid, signal.SIGSTOP)
+        seen["starved"] = starved
+        while not handback.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        seen["handover_withdrawn"] = not handover.exists()
+        handback.unlink()
+
+    controller = threading.Thread(target=neighbour_then_controller, daemon=True)
+    controller.start()
+    done = subprocess.run([sys.executable, "-I", str(harness / "run.py"), "--candidate", str(harness / "train.py"),
+                           "--result", str(tmp_path / "r.json"), "--source", "synthetic", "--budget", "2",
+                           "--sandbox", "auto", "--handover", str(handover), "--handback", str(handback)],
+                          env=env_for(bench.cache), capture_output=True, text=True, timeout=300)
+    controller.join(timeout=5)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert seen["starved"], done.stdout[-2000:]
+    assert result["status"] == "succeeded", result["reason"] + done.stdout[-2000:]
+    assert seen["handover_withdrawn"]  # nothing more is started beside it
+    assert "measuring the exported model once more" in done.stdout
+    assert result["timing"]["evaluate_seconds"] > EVAL_LIMIT  # the first try ran out of time
+
+
+def test_through_the_loop_a_model_too_slow_to_score_alone_is_the_candidates_failure(tmp_path, monkeypatch):
+    from controller.lab import init
+    from controller.lab.ledger import Ledger
+
+    harness = quick_eval_bench(tmp_path)
+    monkeypatch.setattr(init, "bench_source_dir", lambda: harness)
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
+    lab.apply_file(spec_from_edit(lab, "slow-eval", SLOW_OLD, SLOW_NEW, "A deeper head helps.", priority=1), "test")
+    lab.apply_file(spec_from_edit(lab, "plain", "UNEMBEDDING_LR = 0.02", "UNEMBEDDING_LR = 0.0",
+                                  "A frozen head changes nothing."), "test")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), AUTOLAB_GPUS="0",
+               AUTOLAB_UNSAFE_NO_SANDBOX="1")
+    runs = lab.root / ".autolab" / "runs"
+    started_ahead, finished = [], threading.Event()
+
+    def watch():  # which run was started up ahead, while the slow model was evaluated
+        while not finished.wait(0.05):
+            with contextlib.suppress(OSError, ValueError):
+                launch = json.loads((runs / ".next-0" / "launch.json").read_text())
+                if launch["run"] not in started_ahead:
+                    started_ahead.append(launch["run"])
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        done = subprocess.run(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2", "--unsafe-no-sandbox"],
+                              env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        finished.set()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert started_ahead == ["exp-plain-1"]  # beside the slow evaluation
+    slow, plain = (json.loads((runs / r / "result.json").read_text()) for r in ("exp-slow-eval-1", "exp-plain-1"))
+    # Started up beside the slow evaluation, the next run was stopped when the GPU was asked
+    # back; the slow model, measured again alone, is the candidate's failure, recorded as such.
+    log = (runs / "exp-slow-eval-1" / "log.txt").read_text()
+    assert "asking for the GPU back" in log and "once more" in log, log[-3000:]
+    assert (slow["status"], slow["reason_code"]) == ("failed", "EvaluationFailed"), slow["reason"]
+    assert "then again with the GPU to itself" in slow["reason"]
+    row = next(r for r in Ledger(lab.root / "research" / "results.tsv").rows() if r["run_id"] == "exp-slow-eval-1")
+    assert row["status"] == "failed", row
+    # The next experiment was submitted after the verdict, started afresh, and measured.
+    launch = json.loads((runs / "exp-plain-1" / "launch.json").read_text())
+    assert plain["status"] == "succeeded", plain["reason"]
+    assert launch["ahead"] is False and launch["startedAt"] >= (runs / "exp-slow-eval-1" / "result.json").stat().st_mtime - 1
+    assert not list(runs.glob(".next-*")) and not (runs / "exp-slow-eval-1" / "handback").exists()

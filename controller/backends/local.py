@@ -226,6 +226,18 @@ class LocalBackend:
                 _stop(launch)
             shutil.rmtree(d, ignore_errors=True)
 
+    def give_back(self, run: str) -> None:
+        """The GPU back to `run`, whose evaluation ran out of time beside the run started up ahead
+        on its slot (`RunObservation.handback`): that run is stopped, then the harness's request
+        file removed, which tells it the GPU is its alone and it measures the model again. The
+        stopped run loses only its start-up; its experiment is submitted as usual after the
+        verdict, and starts up then."""
+        d = self.run_dir(run)
+        slot = _read_json(d / "launch.json").get("slot")
+        if slot is not None:
+            self.stop_next(str(slot))
+        (d / "handback").unlink(missing_ok=True)
+
     def _take_started(self, req: RunRequest) -> bool:
         """Take over the run started up ahead for exactly this request, if any: it becomes the
         run (its directory renamed, its gate opened). Another one on the slot is stopped."""
@@ -272,8 +284,11 @@ class LocalBackend:
         start = self._starting_program(harness)
         if start:  # the one compile cache runs may start from: the lab's own starting program's
             cmd += ["--compile-cache-from", start]
-        if b"--handover" in (harness / "run.py").read_bytes():
+        knows = (harness / "run.py").read_bytes()  # a lab's pinned harness may predate these
+        if b"--handover" in knows:
             cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
+        if b"--handback" in knows:
+            cmd += ["--handback", "handback"]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
                         "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS",
@@ -355,7 +370,7 @@ class LocalBackend:
         job_id = str(launch.get("pid", ""))
         if launch.get("start") and _start_ticks(launch["pid"]) == launch["start"]:
             return RunObservation(run, "running", job_id=job_id, worker=worker,  # no peeking
-                                  handover=(d / "handover").exists())
+                                  handover=(d / "handover").exists(), handback=(d / "handback").exists())
         if not (d / "result.json").exists():
             if not launch:
                 return RunObservation(run, "missing")

@@ -92,6 +92,9 @@ class RunObservation:
     # A running run that no longer needs its GPU alone: its candidate is gone and its evaluator
     # holds the memory it needs. The engine may start the slot's next run up beside it.
     handover: bool = False
+    # A running run whose evaluation ran out of time beside the run started up next to it: it
+    # wants its GPU back (that run stopped) to measure the model again, alone.
+    handback: bool = False
 
 
 @dataclass(frozen=True)
