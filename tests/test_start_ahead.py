@@ -5,8 +5,9 @@ warming up) needs it hardly at all; so once a run's candidate is gone and its ev
 the memory it needs (`--handover`), the local backend may start the slot's next run beside it
 (`LocalBackend.start_next`, asked by the engine). That run waits at its first batch, its clock
 not started (`--gate`), until the submit of exactly the same request takes it over after the
-verdict; anything else on the slot stops it. Real harness, tiny CPU profile; AUTOLAB_GPUS=0
-stands in for one GPU.
+verdict; anything else on the slot stops it. An evaluation that runs out of time beside that
+run asks for the GPU back (`--handback`), and is measured again alone. Real harness, tiny CPU
+profile; AUTOLAB_GPUS=0 stands in for one GPU.
 """
 
 from __future__ import annotations
