@@ -41,6 +41,8 @@ from typing import Any
 
 import jsonschema
 
+from controller.core.noise import MARGIN_Z
+
 GROUP = "autolab.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -122,8 +124,8 @@ LAB_SPEC = _obj(
             "minDelta": {
                 "description": "Promote on one run only if val_bpb is lower than the master's "
                                "by more than this: a number (0: strictly lower), or auto "
-                               "(2.5 sigma of a two-run difference, sigma from the lab's "
-                               "noise measurement).",
+                               f"({MARGIN_Z:g} sigma of a two-run difference, sigma from the "
+                               "lab's noise measurement).",
                 "default": 0,
                 # A number or "auto". A structural CRD schema cannot say "number or string",
                 # so the CRD keeps this field untyped (crd_schema drops the anyOf) and the
