@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from controller.cli.lab import init_lab
 from controller.cli.main import known_failure
@@ -267,3 +268,20 @@ def test_other_known_failures_read_as_one_line(tmp_path):
         assert line and "\n" not in line and "; " in line, (e, line)
     assert known_failure(ZeroDivisionError("a bug")) is None
     assert known_failure(OSError("no errno, no file: unknown")) is None
+
+
+def test_a_new_lab_measures_its_noise_before_it_promotes_unless_told_otherwise(tmp_path, env):
+    """`autolab init` writes `promotion.minDelta: auto`: the master's noise is measured before an
+    experiment is judged, and a win must clear it. A number is written as given; anything else
+    is refused with what to write instead."""
+    made = autolab("init", str(tmp_path / "a"), "--profile", "tiny", "--data", "synthetic", env=env)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load((tmp_path / "a" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": "auto"}
+    assert "measures the master's noise (3 repeat runs)" in made.stdout
+    made = autolab("init", str(tmp_path / "b"), "--profile", "tiny", "--min-delta", "0", env=env)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load((tmp_path / "b" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": 0.0}
+    for bad in ("-0.1", "nan", "inf", "some"):
+        refused = autolab("init", str(tmp_path / "c"), "--min-delta", bad, env=env)
+        assert refused.returncode == 2 and "neither auto nor a number >= 0" in refused.stderr, refused.stderr
+        assert not (tmp_path / "c").exists()

@@ -24,9 +24,10 @@ from controller.cli.output import (CliError, activate_hint, autolab_command, ite
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
-             budget: int | None = None) -> LocalLab:
+             budget: int | None = None, min_delta: float | str | None = None) -> LocalLab:
     """`autolab init`: make the lab directory, then open it."""
-    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget))
+    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget,
+                             min_delta=min_delta))
 
 
 def cmd_init(a) -> int:
@@ -36,7 +37,8 @@ def cmd_init(a) -> int:
         from controller.lab.seed import import_seed
 
         root, found = import_seed(Path(a.dir), Path(a.seed), profile=a.profile, data=a.data,
-                                  name=a.name, budget=a.budget, keep_metric=a.keep_metric)
+                                  name=a.name, budget=a.budget, keep_metric=a.keep_metric,
+                                  min_delta=a.min_delta)
         lab = LocalLab(root)
         print(f"imported the seed lab {found.source}: train.py is the master, "
               f"{len(found.rows)} ledger rows kept (reason Imported), {len(found.prose)} "
@@ -50,10 +52,14 @@ def cmd_init(a) -> int:
                                            "measured again by the first `autolab run`"))
     else:
         lab = init_lab(Path(a.dir), profile=a.profile, data=a.data, name=a.name,
-                       budget=a.budget)
+                       budget=a.budget, min_delta=a.min_delta)
     m = lab.repo.master()
     print(f"lab {lab.name} initialised in {lab.root}")
     print(f"master {m.hash[:12]} (commit {m.commit[:10]}); profile {a.profile}, data {a.data}")
+    if lab.lab.min_delta == "auto":
+        print(f"promotion: minDelta auto: the first `autolab run` measures the master's noise "
+              f"({lab.lab.noise_runs} repeat runs) before it judges an experiment; a win must clear "
+              "that noise (`--min-delta 0` would promote any improvement, luck included)")
     cmd = autolab_command()
     print(f"next: `cd {a.dir}`, write a spec (`{cmd} worktree NAME`, `{cmd} new NAME`), then "
           f"`{cmd} apply -f FILE` and `{cmd} run`{activate_hint()}")

@@ -19,6 +19,7 @@ from controller.backends import BackendConfigError
 from controller.lab.harness import HarnessError
 from controller.cli import authoring, completion, demo, hf, lab, operator
 from controller.cli.output import REPO_ROOT, CliError, one_line
+from controller.core.noise import MARGIN_Z
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
@@ -34,6 +35,20 @@ def _version() -> str:
         return version("autolab-research")  # the distribution's name (pyproject.toml)
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
+
+
+def _min_delta_arg(text: str) -> float | str:
+    """`--min-delta`: auto, or a number of val_bpb >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number >= 0 (val_bpb the "
+                                         "candidate must beat the master by)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--from", dest="seed", metavar="SEED_DIR",
                     help="adopt a lab in the seed's layout: its train.py is the master, its "
                          "research/results.tsv rows are kept (marked Imported)")
+    sp.add_argument("--min-delta", type=_min_delta_arg, default="auto", metavar="auto|NUMBER",
+                    help="what one run must beat the master by to be promoted (promotion.minDelta): "
+                         "auto (the default) measures the lab's noise first and asks for "
+                         f"{MARGIN_Z:g} sigma of a two-run difference; a number is taken as "
+                         "written, 0 promotes any improvement, noise included")
     sp.add_argument("--keep-metric", action="store_true",
                     help="with --from: take the master's val_bpb from SEED_DIR/research/live/"
                          "master.json instead of measuring it again")

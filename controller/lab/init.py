@@ -38,8 +38,9 @@ def bench_source_dir() -> Path:
 
 
 def make_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
-             budget: int | None = None) -> Path:
-    """Create a lab in `target` and return its resolved path."""
+             budget: int | None = None, min_delta: float | str | None = None) -> Path:
+    """Create a lab in `target` and return its resolved path. `min_delta`, if given, is written
+    as the lab's `promotion.minDelta` (`autolab init` writes "auto")."""
     target = target.resolve()
     if (target / LAB_FILE).exists():
         raise LabInitError(f"{target} is already a lab ({LAB_FILE} exists)")
@@ -65,6 +66,8 @@ def make_lab(target: Path, profile: str = "default", data: str = "hub", name: st
     spec: dict = {"profile": profile, "data": data, "backend": "local"}
     if budget:
         spec["budgetSeconds"] = budget
+    if min_delta is not None:
+        spec["promotion"] = {"minDelta": min_delta}
     lab_doc = {"apiVersion": API_VERSION, "kind": "Lab", "metadata": {"name": name},
                "spec": spec}
     (target / LAB_FILE).write_text(yaml.safe_dump(lab_doc, sort_keys=False))
