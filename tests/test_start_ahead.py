@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from controller.backends import RunRequest
 from controller.backends.local import LocalBackend
 from controller.cli.lab import init_lab
@@ -171,8 +173,15 @@ def evaluators_of(bench: Path) -> list[int]:
     return pids
 
 
-def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench, tmp_path):
+@pytest.mark.parametrize("answered", [True, False], ids=["controller-answers", "nobody-answers"])
+def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench, tmp_path, answered):
+    """Answered, the model is measured again alone and counts. Unanswered (a controller that does
+    not know the hand-back, or has died), the harness waits a bounded time and records that
+    nothing was measured, as it did before there was a hand-back: never a wait without end."""
     harness = quick_eval_bench(tmp_path)
+    run_py = (harness / "run.py").read_text()
+    assert run_py.count("HANDBACK_WAIT_SECONDS = 60.0") == 1
+    (harness / "run.py").write_text(run_py.replace("HANDBACK_WAIT_SECONDS = 60.0", "HANDBACK_WAIT_SECONDS = 3.0"))
     handover, handback = tmp_path / "handover", tmp_path / "handback"
     seen = {}
 
@@ -190,7 +199,8 @@ def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench,
         while not handback.exists() and time.time() < deadline:
             time.sleep(0.02)
         seen["handover_withdrawn"] = not handover.exists()
-        handback.unlink()
+        if answered:
+            handback.unlink()
 
     controller = threading.Thread(target=neighbour_then_controller, daemon=True)
     controller.start()
@@ -201,10 +211,14 @@ def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench,
     controller.join(timeout=5)
     result = json.loads((tmp_path / "r.json").read_text())
     assert seen["starved"], done.stdout[-2000:]
-    assert result["status"] == "succeeded", result["reason"] + done.stdout[-2000:]
     assert seen["handover_withdrawn"]  # nothing more is started beside it
-    assert "measuring the exported model once more" in done.stdout
-    assert result["timing"]["evaluate_seconds"] > EVAL_LIMIT  # the first try ran out of time
+    if answered:
+        assert result["status"] == "succeeded", result["reason"] + done.stdout[-2000:]
+        assert "measuring the exported model once more" in done.stdout
+        assert result["timing"]["evaluate_seconds"] > EVAL_LIMIT  # the first try ran out of time
+    else:
+        assert (result["status"], result["reason_code"]) == ("error", "EvaluationFailed"), result["reason"]
+        assert "nothing was measured" in result["reason"] and "nobody gave the GPU back" in done.stdout
 
 
 def test_through_the_loop_a_model_too_slow_to_score_alone_is_the_candidates_failure(tmp_path, monkeypatch):
