@@ -1144,7 +1144,7 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         alone.mkdir()
         evaluator = Evaluator(alone, data, log)
         eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout)
-        too_slow += (" twice: beside the next run's start-up, then again with the GPU to itself")
+        too_slow += " twice: beside the next run's start-up, then again with the GPU to itself"
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
     try:
