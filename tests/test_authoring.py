@@ -219,7 +219,7 @@ def ran(tmp_path_factory) -> LocalLab:
     than the baseline: a regression, which must reach research/do-not-repeat.md.
     """
     root = tmp_path_factory.mktemp("ran") / "lab"
-    lab = init_lab(root, profile="tiny", data="synthetic")
+    lab = init_lab(root, profile="tiny", data="synthetic", min_delta=0)  # one run decides
     r = str(root)
     assert cli.main(["worktree", "frozen", "--lab", r]) == 0
     train = root / ".autolab" / "scratch" / "frozen" / SURFACE

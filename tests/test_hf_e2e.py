@@ -73,7 +73,7 @@ def hf_lab(tmp_path_factory):
         mp.setenv("HF_HOME", str(tmp / "hf-home"))
         mp.setenv("AUTOLAB_GPUS", "0")
         root = tmp / "lab"
-        init_lab(root, profile="tiny", data="synthetic", budget=2)
+        init_lab(root, profile="tiny", data="synthetic", budget=2, min_delta=0)
         doc = yaml.safe_load((root / "lab.yaml").read_text())
         doc["spec"]["backend"] = "hf"
         doc["spec"]["hf"] = {"namespace": "alice", "bucket": "autolab-cache", "flavor": "l4x1",

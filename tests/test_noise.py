@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from controller.cli.lab import init_lab
@@ -20,12 +21,18 @@ def measured(req) -> float:
     return BY_SEED[req.seed] - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
 
 
-def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("promotion", [{"minDelta": "auto", "noiseRuns": 3}, None],
+                         ids=["auto", "unsaid"])
+def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch,
+                                                                     promotion):
+    """`auto`, and a lab that does not say (auto is the default): a 2-sigma "win" is noise."""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     root = tmp_path / "lab"
     init_lab(root, profile="tiny", data="synthetic", budget=5)
     doc = yaml.safe_load((root / LAB_FILE).read_text())
-    doc["spec"]["promotion"] = {"minDelta": "auto", "noiseRuns": 3}
+    doc["spec"].pop("promotion", None)
+    if promotion is not None:
+        doc["spec"]["promotion"] = promotion
     (root / LAB_FILE).write_text(yaml.safe_dump(doc))
     lab = LocalLab(root)
     backend = InstantBackend(measured)

@@ -222,6 +222,7 @@ LAB = {"apiVersion": "autolab.dev/v1alpha1", "kind": "Lab",
        "metadata": {"name": "default", "namespace": NS},
        "spec": {"backend": "kubernetes", "profile": "tiny", "data": "synthetic",
                 "budgetSeconds": 60, "capacity": {"gpuSlots": 2},
+                "promotion": {"minDelta": 0},  # one run decides (margins: test_noise.py)
                 "kubernetes": {"image": IMAGE, "cachePVC": "autolab-cache", "backoffLimit": 2,
                                "nodeSelector": {"nvidia.com/gpu.present": "true"},
                                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -245,7 +246,8 @@ def seed_lab(root: Path, val_bpb: float) -> None:
     """A lab repo whose master was measured already (`autolab init` + a baseline)."""
     from controller.cli.lab import init_lab
 
-    lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default")
+    lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default",
+                   min_delta=0)
     lab.repo.set_master_metric(val_bpb)
 
 

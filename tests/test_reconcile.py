@@ -11,7 +11,7 @@ from controller.core.reconcile import (Candidate, Master, PromotionResult, RunOb
 from controller.core.spec import ExperimentSpec, LabSpec
 
 NOW = "2026-11-29T10:00:00Z"
-LAB = LabSpec(profile="tiny")
+LAB = LabSpec(profile="tiny", min_delta=0.0)  # one run decides; margins: test_min_delta_margin
 MASTER = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=1.0)
 UNMEASURED = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=None)
 SPEC = ExperimentSpec(hypothesis="Shorter warmdown", parent="aaaa", diff="--- a/train.py")

@@ -25,7 +25,7 @@ def test_visible_slots_follow_the_configured_ids(monkeypatch):
 def test_each_run_holds_its_own_gpu_and_frees_it_when_done(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AUTOLAB_GPUS", "0,1")
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3, min_delta=0)
     lab.repo.set_master_metric(0.001)  # slots are under test: nobody wins, the master stays
     for name, old, new, prio in (("first", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4", 0),
                                  ("second", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.3", 0),
@@ -85,7 +85,7 @@ def test_a_freed_gpu_goes_to_the_next_run_in_the_same_pass(tmp_path, monkeypatch
     """The pass that records a finished run starts the queued one, whatever their names."""
     monkeypatch.setenv("AUTOLAB_GPUS", "0")
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2)
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2, min_delta=0)
     lab.repo.set_master_metric(0.001)  # nobody wins: the master stays, no rebase in between
     # "zz-first" sorts after "aa-second" but runs first; then "aa-second" waits for its GPU.
     for name, new in (("zz-first", "WARMDOWN_RATIO = 0.4"), ("aa-second", "WARMDOWN_RATIO = 0.3")):

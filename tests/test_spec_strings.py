@@ -72,7 +72,7 @@ class RecordingBackend:
 
 
 def new_lab(root: Path) -> LocalLab:
-    lab = init_lab(root, profile="tiny", data="synthetic")
+    lab = init_lab(root, profile="tiny", data="synthetic", min_delta=0)  # one run decides
     lab.repo.set_master_metric(9.9)  # no baseline run: the checks are under test
     lab.backends["local"] = RecordingBackend()
     return lab
@@ -389,7 +389,8 @@ def test_a_failed_pass_gives_back_the_slot_it_was_granted(tmp_path):
             return Observed(name, name, {"priority": 0}, dict(status))
 
     engine = Engine(paths=LabPaths.of(tmp_path), lab_name="x",
-                    lab=LabSpec.from_dict({"capacity": {"gpuSlots": 1}}), statuses=Statuses(),
+                    lab=LabSpec.from_dict({"capacity": {"gpuSlots": 1},
+                                                    "promotion": {"minDelta": 0}}), statuses=Statuses(),
                     master=None, events=None, backends={}, make_backend=None,
                     visible_slots=lambda n: ["slot-0"])
     book = engine.book

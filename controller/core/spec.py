@@ -125,8 +125,8 @@ LAB_SPEC = _obj(
                 "description": "Promote on one run only if val_bpb is lower than the master's "
                                "by more than this: a number (0: strictly lower), or auto "
                                f"({MARGIN_Z:g} sigma of a two-run difference, sigma from the "
-                               "lab's noise measurement).",
-                "default": 0,
+                               "lab's noise measurement, the default).",
+                "default": "auto",
                 # A number or "auto". A structural CRD schema cannot say "number or string",
                 # so the CRD keeps this field untyped (crd_schema drops the anyOf) and the
                 # operator validates it with the whole schema.
@@ -462,7 +462,7 @@ class LabSpec:
     budget_seconds: int | None = None
     data: str = "hub"
     gpu_slots: int = 0
-    min_delta: float | str = 0.0   # a number, or "auto" (controller.core.noise.margin)
+    min_delta: float | str = "auto"   # a number, or "auto" (controller.core.noise.margin)
     confirm_runs: int = 0
     noise_runs: int = 3
     backend: str = "local"
@@ -476,7 +476,7 @@ class LabSpec:
                    metric=spec.get("metric", "val_bpb"), profile=spec.get("profile", "default"),
                    budget_seconds=spec.get("budgetSeconds"), data=spec.get("data", "hub"),
                    gpu_slots=int(spec.get("capacity", {}).get("gpuSlots", 0)),
-                   min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", 0.0)),
+                   min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", "auto")),
                    confirm_runs=int(spec.get("promotion", {}).get("confirmRuns", 0)),
                    noise_runs=int(spec.get("promotion", {}).get("noiseRuns", 3)),
                    backend=spec.get("backend", "local"),
