@@ -79,6 +79,7 @@ import ctypes
 import hashlib
 import hmac
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -289,9 +290,13 @@ def stage_two(args: argparse.Namespace) -> int:
     os.environ["AUTOLAB_CACHE"] = str(cache_overlay(args.data_mount))
     harness = _load_harness(args.profile)
     out = Path(tempfile.mkdtemp(prefix="autolab-result-"))
+    # A lab's pinned harness may predate the evaluation's bound (run.py --eval-limit).
+    bound = {"eval_limit_seconds": args.eval_limit} if args.eval_limit and "eval_limit_seconds" in \
+        inspect.signature(harness.run_candidate).parameters else {}
     result = harness.run_candidate(BENCH_DIR / "train.py", out / "result.json", source=args.source,
                                    budget=args.budget, termination_log="",
-                                   sandbox_request=SANDBOX_REQUEST, run=args.run, seed=args.seed)
+                                   sandbox_request=SANDBOX_REQUEST, run=args.run, seed=args.seed,
+                                   **bound)
     try:  # informational: a curve that cannot be read must not cost the result
         curve = sign_curve(key, args.run, harness_curve(result))
     except Exception as e:  # noqa: BLE001
@@ -327,6 +332,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default="hub")
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="the harness's seed (run.py --seed)")
+    p.add_argument("--eval-limit", type=float, default=None,
+                   help="seconds the evaluation may take (run.py --eval-limit)")
     p.add_argument("--data-mount", default=None, help="where the lab's bucket is mounted")
     p.add_argument("--with", dest="requirements", action="append", default=[],
                    help="a requirement the job needs; installed only if the image lacks it")

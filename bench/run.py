@@ -66,11 +66,16 @@ have been slowed by the newcomer, so it is not yet the candidate's failure:
 with `--handback FILE` the harness withdraws the handover (removes that file),
 writes FILE, and waits for the controller to stop the newcomer and remove
 FILE; then it measures the export once more, in a fresh evaluator, alone on
-the GPU, with the whole `eval_timeout`. Running out of time again is the
+the GPU, with the whole time limit. Running out of time again is the
 candidate's failure (`EvaluationFailed`, status failed, so the lab never runs
 it again). Without `--handback`, or if nobody removes FILE within
 HANDBACK_WAIT_SECONDS, nothing was measured: an error, and the candidate may
 be run again.
+
+The evaluation's time limit is the profile's `eval_timeout`, or `--eval-limit
+SECONDS` where the controller asks for less: it bounds a candidate by the
+master's own evaluation time (a few times it), so a model that is legal but
+slow to score cannot hold a GPU for the profile's whole limit.
 
 Sandboxes (`--sandbox`):
 
@@ -1123,17 +1128,23 @@ def _early_evaluator() -> bool:
     return forced == "1" if forced in ("0", "1") else sandbox.wants_gpu()
 
 
+def eval_limit(asked: float | None) -> float:
+    """Seconds the evaluation may take: the profile's eval_timeout, or less where asked (--eval-limit)."""
+    allowed = prepare.PROFILES[prepare.PROFILE].eval_timeout
+    return allowed if asked is None else min(allowed, asked)
+
+
 def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
              evaluator: Evaluator | None = None, handover: Path | None = None,
-             handback: Path | None = None) -> dict:
+             handback: Path | None = None, limit: float | None = None) -> dict:
     """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none.
-    An evaluation that runs out of time beside the next run's start-up is measured again alone
-    (see --handback)."""
-    prof = prepare.PROFILES[prepare.PROFILE]
+    An evaluation that runs out of time (`eval_limit(limit)`) beside the next run's start-up is
+    measured again alone (see --handback)."""
+    seconds = eval_limit(limit)
     evaluator = evaluator or Evaluator(eval_dir, data, log)
-    log.harness("measuring val_bpb of the exported model in a separate evaluator process")
-    eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout, handover)
-    too_slow = f"evaluating the exported model took longer than {prof.eval_timeout:g}s"
+    log.harness(f"measuring val_bpb of the exported model in a separate evaluator process (at most {seconds:g}s)")
+    eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds, handover)
+    too_slow = f"evaluating the exported model took longer than {seconds:g}s"
     if eval_timed_out and handover is not None and os.path.lexists(handover):
         # The next run may have started up beside it and slowed it: not yet this candidate's fault.
         if handback is None or not _hand_back(handover, handback, log):
@@ -1143,7 +1154,7 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         alone = eval_dir / "alone"
         alone.mkdir()
         evaluator = Evaluator(alone, data, log)
-        eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, prof.eval_timeout)
+        eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds)
         too_slow += " twice: beside the next run's start-up, then again with the GPU to itself"
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
@@ -1206,7 +1217,8 @@ def _run_dir(mode: str) -> Path:
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
              mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
-             gate: Path | None = None, handover: Path | None = None, handback: Path | None = None) -> None:
+             gate: Path | None = None, handover: Path | None = None, handback: Path | None = None,
+             eval_limit_seconds: float | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
@@ -1243,7 +1255,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
             shutil.rmtree(scratch, ignore_errors=True)
         measuring = time.monotonic()
         evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator,
-                              handover=handover, handback=handback)
+                              handover=handover, handback=handback, limit=eval_limit_seconds)
         result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
@@ -1441,7 +1453,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
                   seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
                   handover: str | os.PathLike | None = None,
-                  handback: str | os.PathLike | None = None) -> dict[str, Any]:
+                  handback: str | os.PathLike | None = None,
+                  eval_limit_seconds: float | None = None) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
 
     seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for repeat runs
@@ -1451,7 +1464,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS); gate, handover, handback: see --gate, --handover, --handback. Never raises for
+    COMPILE_SEEDS); gate, handover, handback, eval_limit_seconds: see --gate, --handover, --handback,
+    --eval-limit. Never raises for
     a failed candidate: see result["status"].
     """
     result_path = Path(result_path)
@@ -1468,7 +1482,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
                  mode=mode, log=log, result=result, compile_from=compile_from,
                  gate=Path(gate) if gate else None, handover=Path(handover) if handover else None,
-                 handback=Path(handback) if handback else None)
+                 handback=Path(handback) if handback else None, eval_limit_seconds=eval_limit_seconds)
 
     _settle(result, execute)
     return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
@@ -1610,7 +1624,8 @@ def evaluate_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, 
                    startup_allowance: float | None = None, log_path: str | os.PathLike | None = None,
                    termination_log: str | os.PathLike | None = None, curve_path: str | os.PathLike | None = None,
                    num_shards: int | None = None, endpoint: str | None = None, echo: bool = True,
-                   sandbox_request: str = "bwrap", key: bytes | None = None, run: str | None = None) -> dict[str, Any]:
+                   sandbox_request: str = "bwrap", key: bytes | None = None, run: str | None = None,
+                   eval_limit_seconds: float | None = None) -> dict[str, Any]:
     """--phase evaluate: the signed result of what a train phase left in export_dir."""
     result_path = Path(result_path)
     export_dir = Path(export_dir)
@@ -1663,7 +1678,8 @@ def evaluate_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, 
         try:
             model_dir, stats = _take_export(export_dir, "scratch/", eval_dir, result["exit_code"])
             measuring = time.monotonic()
-            evaluation = _measure(eval_dir, model_dir, data, log=log, exit_code=result["exit_code"])
+            evaluation = _measure(eval_dir, model_dir, data, log=log, exit_code=result["exit_code"],
+                                  limit=eval_limit_seconds)
             result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         finally:
             shutil.rmtree(eval_dir, ignore_errors=True)
@@ -1685,6 +1701,16 @@ def _read_key(key_fd: int | None, key_file: str | None) -> bytes | None:
             raise SystemExit(f"cannot read the key file {key_file}")
         return raw.strip()
     return None
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
 
 
 def _sha1_arg(text: str) -> str:
@@ -1741,6 +1767,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="phase all, with --handover: an evaluation that runs out of time after the "
                              "handover writes FILE and waits until it is removed (the controller stopped the "
                              "next run), then is measured again alone")
+    parser.add_argument("--eval-limit", type=_seconds_arg, default=None, metavar="SECONDS",
+                        help="all, evaluate: the evaluation may take at most this long, if less than the "
+                             "profile's eval_timeout (the controller bounds a candidate by the master's own "
+                             "evaluation time)")
     args = parser.parse_args(argv)
     need = {"all": ("candidate", "result"), "stage": ("train_data",),
             "train": ("candidate", "train_data", "export_dir"), "evaluate": ("candidate", "result", "export_dir")}
@@ -1762,7 +1792,7 @@ def main(argv: list[str] | None = None) -> int:
             args.candidate, args.export_dir, args.result, source=args.source, budget=args.budget,
             startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
             curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint,
-            sandbox_request=args.sandbox, key=key, run=args.run,
+            sandbox_request=args.sandbox, key=key, run=args.run, eval_limit_seconds=args.eval_limit,
         )
         return EXIT_CODES[result["status"]]
     result = run_candidate(
@@ -1771,7 +1801,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
         compile_from=args.compile_cache_from, gate=args.gate, handover=args.handover,
-        handback=args.handback,
+        handback=args.handback, eval_limit_seconds=args.eval_limit,
     )
     return EXIT_CODES[result["status"]]
 

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
+from controller.core.evaluation import evaluation_limit
 from controller.core.noise import spread
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
@@ -96,6 +97,7 @@ from controller.lab.clock import utcnow
 from controller.lab.ledger import Ledger
 from controller.lab.memory import near_duplicates, remember_quietly
 from controller.lab.paths import LabPaths
+from controller.lab.profiles import ProfileError, lab_profile
 from controller.lab.repo import (CheckPool, LabRepo, atomic_write, recorded_duplicate,
                                  shared_check_pool)
 from controller.lab.tracking import track_quietly
@@ -224,6 +226,7 @@ class Engine:
     _changes: dict[str, dict[str, str]] = field(init=False)
     _prechecks: dict[str, tuple[ExperimentSpec, Future]] = field(init=False)
     _started_next: dict[str, tuple[str, str]] = field(init=False)
+    _profile_eval_limits: dict[str, float | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
@@ -234,6 +237,7 @@ class Engine:
         self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
         self._prechecks = {}  # experiment -> (the spec, its check started by precheck())
         self._started_next = {}  # slot -> (the run being evaluated there, who was started next)
+        self._profile_eval_limits: dict[str, float | None] = {}  # profile -> its eval_timeout
 
     # -- configuration ---------------------------------------------------------------------------
     def set_lab(self, lab: LabSpec) -> None:
@@ -498,6 +502,9 @@ class Engine:
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
                             utcnow(), a.get("margin", 0.0), a.get("against"))
                     if promotion.promoted:
+                        self._keep_evaluation(st["candidateHash"], {"timing": {
+                            "evaluate_seconds": (st.get("metrics") or {}).get(
+                                "evaluate_seconds")}}, st.get("run") or name)
                         self.events.lab(Event("Normal", "Promoted",
                                               f"{name} is the new master: val_bpb "
                                               f"{a['val_bpb']:.6f} (was "
@@ -586,15 +593,54 @@ class Engine:
     def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict,
                  st: dict) -> RunRequest:
         assert spec is not None
+        limit = None
         if a.get("program") == "master":  # a confirm run of the master it was built on
             source = self.repo.source_of(self.repo.resolve_parent(st["parentHash"])["commit"])
         else:
             source = self.repo.candidate_source(obs.name)
+            limit = self.eval_limit()
         return RunRequest(run=a["run"], experiment=obs.name, campaign=spec.campaign,
                           candidate_source=source,
                           slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
-                          overrides=spec.hf, owner=obs.owner, seed=int(a.get("seed") or 0))
+                          overrides=spec.hf, owner=obs.owner, seed=int(a.get("seed") or 0),
+                          eval_limit=limit)
+
+    # -- how long a candidate's evaluation may take ----------------------------------------------
+    def eval_limit(self) -> float | None:
+        """Seconds a candidate's evaluation may take (controller.core.evaluation), from the
+        current master's own evaluation; None where that is not known: the profile's limit."""
+        try:
+            doc = json.loads(self.paths.evaluation_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("master") != self.master.master().hash \
+                or doc.get("profile") != self.lab.profile:
+            return None
+        if self.lab.profile not in self._profile_eval_limits:  # the pinned harness's: git, once
+            try:
+                allowed: float | None = lab_profile(self.paths.root, self.lab.profile,
+                                                    self.lab.harness).eval_timeout
+            except (ProfileError, OSError):
+                allowed = None
+            self._profile_eval_limits[self.lab.profile] = allowed
+        return evaluation_limit(doc.get("evaluateSeconds"), self._profile_eval_limits[self.lab.profile])
+
+    def _keep_evaluation(self, master_hash: str, result: dict | None, run: str,
+                         replace: bool = True) -> None:
+        """Keep how long `master_hash`'s measured run took to be evaluated (the bound's base)."""
+        seconds = ((result or {}).get("timing") or {}).get("evaluate_seconds")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+            return
+        if not replace:
+            try:
+                if json.loads(self.paths.evaluation_file.read_text()).get("master") == master_hash:
+                    return
+            except (OSError, ValueError, AttributeError):
+                pass
+        atomic_write(self.paths.evaluation_file, json.dumps(
+            {"master": master_hash, "evaluateSeconds": seconds, "run": run,
+             "profile": self.lab.profile, "measuredAt": utcnow()}, indent=2) + "\n")
 
     def _record(self, row: dict, spec: dict | None, status: dict | None) -> bool:
         """Append one ledger row (once per run id), then the after-record hooks."""
@@ -664,6 +710,7 @@ class Engine:
                                       f"{a['val_bpb']:.6f}; experiments may run."))
                 with self.lock:
                     self.master.set_metric(m, a["val_bpb"])
+                self._keep_evaluation(m.hash, obs.result, name)
                 backend.cleanup(name)
                 self.book.release(name)
                 state = BaselineState(name, "measured")
@@ -776,6 +823,8 @@ class Engine:
             row.update(experiment_id="noise", backend=self.default_backend,
                        hypothesis=f"Repeat run of the master, harness seed {seed}: the noise.")
             self._record(row, None, None)
+            if row["status"] == "noise":  # a lab measured before the bound: learned here
+                self._keep_evaluation(m.hash, obs.result, name, replace=False)
             backend.cleanup(name)
             self.book.release(name)
             state = BaselineState(name, "running")  # the next step reads its row

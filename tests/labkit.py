@@ -24,8 +24,9 @@ class InstantBackend:
 
     name = "local"
 
-    def __init__(self, value):
+    def __init__(self, value, evaluate_seconds=None):
         self.value = value
+        self.evaluate_seconds = evaluate_seconds  # request -> the harness's timing, if any
         self.requests: dict = {}
 
     def submit(self, req):
@@ -38,7 +39,10 @@ class InstantBackend:
         req = self.requests.get(run)
         if req is None:
             return RunObservation(run, "missing")
-        return RunObservation(run, "succeeded", result={"metrics": {"val_bpb": self.value(req)}})
+        result = {"metrics": {"val_bpb": self.value(req)}}
+        if self.evaluate_seconds is not None:
+            result["timing"] = {"evaluate_seconds": self.evaluate_seconds(req)}
+        return RunObservation(run, "succeeded", result=result)
 
     def cancel(self, run):
         from controller.core.reconcile import RunObservation

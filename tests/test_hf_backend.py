@@ -25,6 +25,7 @@ from controller.local import LocalLab
 from hf_server import FakeJobsServer, Script, genuine_result, harness_result, shipped_files, \
     signed_curve, signed_line
 
+REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTtokenNeverToBeSeen0123456789"
 MASTER_VAL = 2.5
 
@@ -490,3 +491,28 @@ def test_a_namespace_the_token_may_not_use_is_told_with_the_servers_words_and_th
     for fix in ("hf auth login", "spec.hf.namespace", "write access", "Jobs"):
         assert fix in message, fix
     assert not server.created()
+
+
+def test_a_job_carries_the_evaluation_limit_the_controller_sets_and_the_entry_point_takes_it(
+        server, tmp_path):
+    """The bound on a candidate's evaluation (core.evaluation: 5 x the master's, here 30 s)
+    reaches the job's command, in words its entry point parses and hands to run.py."""
+    import importlib.util
+
+    lab = make_lab(tmp_path / "lab")
+    doc = yaml.safe_load((lab.root / "lab.yaml").read_text())
+    doc["spec"]["profile"] = "default"  # eval_timeout 600 s: the bound is the tighter
+    (lab.root / "lab.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    lab = LocalLab(lab.root)
+    (lab.root / "research" / "live").mkdir(parents=True, exist_ok=True)
+    (lab.root / "research" / "live" / "evaluation.json").write_text(json.dumps(
+        {"master": lab.repo.master().hash, "evaluateSeconds": 30.0, "profile": "default"}))
+    apply(lab, "lr-up")
+    server.script_next(Script(stage="RUNNING", running_polls=1000))
+    step_until(lab, lambda: server.created())
+    command = server.created()[0].spec["command"]
+    assert command[command.index("--eval-limit") + 1] == "150"
+    spec = importlib.util.spec_from_file_location("hf_entry_under_test", REPO / "bench" / "hf_entry.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    assert entry.parser().parse_args(command[3:]).eval_limit == 150.0

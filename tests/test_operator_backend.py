@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -164,6 +165,18 @@ async def test_cpu_run_requests_no_gpu_and_without_a_cache_pvc_uses_an_empty_dir
     pod = env.em.get(JOBS, NS, "exp-e-1")["spec"]["template"]["spec"]
     assert all("resources" not in c for c in pod["containers"] + pod["initContainers"])
     assert {"name": "cache", "emptyDir": {}} in pod["volumes"]
+
+
+async def test_only_the_evaluator_is_told_how_long_the_evaluation_may_take(env):
+    """The bound the controller sets from the master's evaluation (core.evaluation) reaches the
+    harness of the evaluate phase; without one, the profile's eval_timeout holds."""
+    await call(env.backend().submit, dataclasses.replace(request(), eval_limit=200.0))
+    await call(env.backend().submit, request("exp-f-1"))
+    pods = {n: env.em.get(JOBS, NS, n)["spec"]["template"]["spec"] for n in ("exp-e-1", "exp-f-1")}
+    run = pods["exp-e-1"]["containers"][0]["command"]
+    assert run[run.index("--eval-limit") + 1] == "200"
+    assert not [c for c in pods["exp-e-1"]["initContainers"] if "--eval-limit" in c["command"]]
+    assert "--eval-limit" not in pods["exp-f-1"]["containers"][0]["command"]
 
 
 async def test_the_candidate_trains_in_a_container_of_its_own_with_least_privilege(env):

@@ -35,6 +35,7 @@ class RunRequest:
     overrides: dict | None = None  # per-experiment backend settings (e.g. spec.hf)
     owner: dict | None = None      # in a cluster: the ownerReference its objects carry
     seed: int = 0                  # the harness's seed: 0 measured run, 1.. repeat runs
+    eval_limit: float | None = None  # seconds its evaluation may take (None: the profile's)
 
 
 class Backend(Protocol):

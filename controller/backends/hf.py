@@ -629,6 +629,8 @@ class HfBackend:
             command += ["--budget", str(req.budget_seconds)]
         if req.seed:
             command += ["--seed", str(req.seed)]
+        if req.eval_limit:
+            command += ["--eval-limit", f"{req.eval_limit:g}"]
         bucket = self.bucket_id(settings, namespace)
         volumes = None
         if bucket:

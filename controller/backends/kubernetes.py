@@ -248,7 +248,7 @@ class KubernetesBackend:
             "--phase", "evaluate", "--candidate", candidate, "--export-dir", EXPORT_DIR,
             "--result", RESULT_PATH, "--termination-log", TERMINATION_LOG, "--source", req.data,
             "--sandbox", "container", "--key-file", f"{KEY_DIR}/{KEY_FILE}", "--run", req.run,
-            *budget_args,
+            *budget_args, *(["--eval-limit", f"{req.eval_limit:g}"] if req.eval_limit else []),
         ], cache_env + [{"name": "AUTOLAB_RUN", "value": req.run},
                         {"name": "AUTOLAB_EXPERIMENT", "value": req.experiment}],
             [mount("candidate", CANDIDATE_DIR, True), mount("cache", CACHE_DIR, True),

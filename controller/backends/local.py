@@ -258,7 +258,8 @@ class LocalBackend:
 
     def _fingerprint(self, req: RunRequest) -> str:
         what = [req.run, req.experiment, hashlib.sha1(req.candidate_source.encode()).hexdigest(), req.slot,
-                req.profile, req.data, req.budget_seconds, req.seed, os.environ.get(UNSAFE_ENV) == "1"]
+                req.profile, req.data, req.budget_seconds, req.seed, os.environ.get(UNSAFE_ENV) == "1",
+                req.eval_limit]
         return hashlib.sha1(json.dumps(what).encode()).hexdigest()
 
     def _launch(self, d: Path, req: RunRequest, harness: Path, ahead: bool = False) -> None:
@@ -289,6 +290,8 @@ class LocalBackend:
             cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
         if b"--handback" in knows:
             cmd += ["--handback", "handback"]
+        if req.eval_limit and b"--eval-limit" in knows:
+            cmd += ["--eval-limit", f"{req.eval_limit:g}"]
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL", "HOME", "LD_LIBRARY_PATH", "AUTOLAB_CACHE",
                         "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_TOKEN", "OMP_NUM_THREADS",

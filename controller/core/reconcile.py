@@ -495,6 +495,9 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
                 True)
         return _settle_terminal(s)
     st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
+    evaluated = ((run.result or {}).get("timing") or {}).get("evaluate_seconds")
+    if _finite(evaluated):  # a promoted candidate's bounds the next ones' (core.evaluation)
+        st["metrics"]["evaluate_seconds"] = evaluated
     # Judged against the master it was built on (measured when it started), not a later one.
     base = st.get("parentValBpb")
     if base is None:

@@ -86,6 +86,11 @@ class LabPaths:
         return self.live / "noise.json"
 
     @property
+    def evaluation_file(self) -> Path:
+        """How long the master's measured run took to be evaluated: research/live/evaluation.json."""
+        return self.live / "evaluation.json"
+
+    @property
     def state(self) -> Path:
         return self.root / STATE
 
