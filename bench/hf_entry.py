@@ -102,6 +102,7 @@ CURVE_FILE_LIMIT = 2**20     # run.py keeps at most this much of the candidate's
 CURVE_KEYS = ("step", "loss", "tokens_per_sec", "time")
 # Never handed to the candidate, the installer or the harness of a run.
 SECRET_ENV = (KEY_ENV, "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AUTOLAB_BUNDLE")
+BUNDLE_PARTS = "AUTOLAB_BUNDLE_"  # the rest of a long bundle (the bootstrap took them already)
 EXIT_HARNESS_ERROR = 4
 PR_SET_DUMPABLE = 4
 SANDBOX_REQUEST = "isolated"  # run.py: bubblewrap, else (as root) a uid of its own, else refuse
@@ -165,7 +166,7 @@ def _log(text: str) -> None:
 
 
 def _scrubbed_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV and not k.startswith(BUNDLE_PARTS)}
 
 
 def _module_of(requirement: str) -> str:
@@ -221,7 +222,7 @@ def stage_one(args: argparse.Namespace, argv: list[str]) -> None:
              "environment, where the candidate could read it; refusing to measure. The job's "
              "command must exec python3 directly (no shell or wrapper that stays alive)")
         sys.exit(EXIT_HARNESS_ERROR)
-    for name in SECRET_ENV:
+    for name in [*SECRET_ENV, *(k for k in os.environ if k.startswith(BUNDLE_PARTS))]:
         os.environ.pop(name, None)
     install_missing(args.requirements)
     read_end, write_end = os.pipe()

@@ -468,12 +468,16 @@ def harness_result(val_bpb: float, candidate_sha1: str | None = None, status: st
 
 
 def shipped_files(job: FakeJob) -> dict[str, bytes]:
-    """The files a job carries in its AUTOLAB_BUNDLE environment variable."""
+    """The files a job carries in its AUTOLAB_BUNDLE environment variables (AUTOLAB_BUNDLE,
+    then AUTOLAB_BUNDLE_1, ... when it is long)."""
     import base64
     import io
     import tarfile
-    raw = base64.b64decode(job.spec["environment"]["AUTOLAB_BUNDLE"])
-    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
+    env, i = job.spec["environment"], 1
+    text = env["AUTOLAB_BUNDLE"]
+    while f"AUTOLAB_BUNDLE_{i}" in env:
+        text, i = text + env[f"AUTOLAB_BUNDLE_{i}"], i + 1
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(text)), mode="r:xz") as tar:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 

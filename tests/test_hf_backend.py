@@ -516,3 +516,24 @@ def test_a_job_carries_the_evaluation_limit_the_controller_sets_and_the_entry_po
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     assert entry.parser().parse_args(command[3:]).eval_limit == 150.0
+
+
+def test_a_bundle_longer_than_one_environment_variable_travels_in_several_and_unpacks_whole():
+    """The harness alone is ~83 KiB of base64, near what one environment string may hold: a
+    larger bundle is split over AUTOLAB_BUNDLE, AUTOLAB_BUNDLE_1, ..., and the job's real
+    bootstrap joins them before it unpacks (a candidate's lines must not be what breaks a job)."""
+    import os
+    import subprocess
+    import sys
+
+    from controller.backends.hf import BOOTSTRAP, BUNDLE_PART, bundle_env, make_bundle
+
+    big = os.urandom(100_000).hex().encode()  # ~100 KiB once packed: more than one part
+    entry = (b"import pathlib, sys\n"
+             b"print(len((pathlib.Path(__file__).parent / 'big.txt').read_bytes()), *sys.argv[1:])\n")
+    env = bundle_env(make_bundle({"bench/hf_entry.py": entry, "bench/big.txt": big}))
+    assert len(env) >= 2 and all(len(v) <= BUNDLE_PART for v in env.values())
+    ran = subprocess.run([sys.executable, "-c", BOOTSTRAP, "run", "--run", "r"],
+                         env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == [str(len(big)), "run", "--run", "r"]
