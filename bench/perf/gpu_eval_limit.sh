@@ -5,11 +5,13 @@
 # the master (scored well inside it), and a candidate whose exported model pushes its logits
 # through 400 more matrix products (legal, slow to score), which fails at LIMIT, not at the
 # profile's eval_timeout (600 s). Prints status, reason and timing of each.
+# The GPU machines have no bubblewrap: SANDBOX=uid (default; as root, a uid of its own) or none.
 #   bash bench/perf/gpu_eval_limit.sh MKCORPUS [BUDGET]     (LIMIT=120 by default)
 set -u
 source bench/perf/gpu_env.sh
 BUDGET=${2:-30}
 LIMIT=${LIMIT:-120}
+SANDBOX=${SANDBOX:-uid}
 export AUTOLAB_BENCH_PROFILE=default
 prepare_corpus "$1"
 slow=$OUTDIR/slow-to-score.py
@@ -30,7 +32,7 @@ for name in master slow-to-score; do
   [ "$name" = master ] || cand=$slow
   t0=$(date +%s)
   $PY -I bench/run.py --candidate "$cand" --result "$OUTDIR/$name.json" --source "dir:$DATA" \
-      --budget "$BUDGET" --eval-limit "$LIMIT" --log "$OUTDIR/$name.log" > /dev/null 2>&1
+      --budget "$BUDGET" --eval-limit "$LIMIT" --sandbox "$SANDBOX" --log "$OUTDIR/$name.log" > /dev/null 2>&1
   wall=$(( $(date +%s) - t0 ))
   $PY - "$OUTDIR/$name.json" "$name" "$wall" "$LIMIT" <<'PYEOF'
 import json, sys
