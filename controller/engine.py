@@ -237,7 +237,7 @@ class Engine:
         self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
         self._prechecks = {}  # experiment -> (the spec, its check started by precheck())
         self._started_next = {}  # slot -> (the run being evaluated there, who was started next)
-        self._profile_eval_limits: dict[str, float | None] = {}  # profile -> its eval_timeout
+        self._profile_eval_limits = {}  # profile -> its eval_timeout (the pinned harness's)
 
     # -- configuration ---------------------------------------------------------------------------
     def set_lab(self, lab: LabSpec) -> None:
@@ -502,9 +502,8 @@ class Engine:
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
                             utcnow(), a.get("margin", 0.0), a.get("against"))
                     if promotion.promoted:
-                        self._keep_evaluation(st["candidateHash"], {"timing": {
-                            "evaluate_seconds": (st.get("metrics") or {}).get(
-                                "evaluate_seconds")}}, st.get("run") or name)
+                        self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
+                            "evaluate_seconds"), st.get("run") or name)
                         self.events.lab(Event("Normal", "Promoted",
                                               f"{name} is the new master: val_bpb "
                                               f"{a['val_bpb']:.6f} (was "
@@ -626,10 +625,9 @@ class Engine:
             self._profile_eval_limits[self.lab.profile] = allowed
         return evaluation_limit(doc.get("evaluateSeconds"), self._profile_eval_limits[self.lab.profile])
 
-    def _keep_evaluation(self, master_hash: str, result: dict | None, run: str,
+    def _keep_evaluation(self, master_hash: str, seconds: object, run: str,
                          replace: bool = True) -> None:
         """Keep how long `master_hash`'s measured run took to be evaluated (the bound's base)."""
-        seconds = ((result or {}).get("timing") or {}).get("evaluate_seconds")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
             return
         if not replace:
@@ -710,7 +708,7 @@ class Engine:
                                       f"{a['val_bpb']:.6f}; experiments may run."))
                 with self.lock:
                     self.master.set_metric(m, a["val_bpb"])
-                self._keep_evaluation(m.hash, obs.result, name)
+                self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name)
                 backend.cleanup(name)
                 self.book.release(name)
                 state = BaselineState(name, "measured")
@@ -824,7 +822,7 @@ class Engine:
                        hypothesis=f"Repeat run of the master, harness seed {seed}: the noise.")
             self._record(row, None, None)
             if row["status"] == "noise":  # a lab measured before the bound: learned here
-                self._keep_evaluation(m.hash, obs.result, name, replace=False)
+                self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name, replace=False)
             backend.cleanup(name)
             self.book.release(name)
             state = BaselineState(name, "running")  # the next step reads its row
@@ -848,3 +846,8 @@ class Engine:
                                   f"{sigma:.6f} val_bpb (mean {doc['mean']:.6f})."))
             self.events.lab_changed()
         return BaselineState(None, "measured", f"sigma {sigma:.6f}")
+
+
+def _evaluate_seconds(result: dict | None) -> object:
+    """How long the harness took to score a run's model (its result's timing), if it says."""
+    return ((result or {}).get("timing") or {}).get("evaluate_seconds")
