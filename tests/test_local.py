@@ -232,7 +232,7 @@ def test_a_broken_spec_file_is_named_and_the_others_still_run(tmp_path, capsys):
 
 
 def test_without_a_sandbox_run_refuses_unless_told_and_then_every_status_says_so(tmp_path):
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", min_delta=0)
     lab.repo.set_master_metric(9.9)
     lab.apply_file(spec_from_edit(lab, "plain", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.45",
                                   "A slightly shorter warmdown."), "test")

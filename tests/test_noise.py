@@ -57,3 +57,53 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
     assert "by more than 0.0494975" in st["message"] and "inside the lab's noise" in st["message"]
     statuses = [r["status"] for r in lab.ledger.rows()]
     assert statuses == ["baseline", "noise", "noise", "noise", "succeeded"]
+
+
+def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_path, monkeypatch):
+    """The default lab (`minDelta: auto`, confirm runs unsaid) against an agent that applies
+    variants that change nothing but the draw (another SEED) until one run is lucky: every
+    lucky first run goes to confirm runs, which it does not pass, and the master stays. A real
+    gain of the same size on every seed passes them and is promoted at their mean."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    root = tmp_path / "lab"
+    init_lab(root, profile="tiny", data="synthetic", budget=5)  # writes minDelta auto
+
+    def draw(req) -> float:
+        src = req.candidate_source
+        if "MATRIX_LR = 0.03" in src:
+            return BY_SEED[req.seed] - 0.07 - (0.01 if req.seed == 0 else 0.0)  # real, lucky too
+        if "SEED = 42 +" not in src and req.seed == 0:
+            return 0.90                              # the lucky draw that picked the win
+        return BY_SEED[req.seed]                     # otherwise the master's own runs
+
+    lab = LocalLab(root)
+    backend = InstantBackend(draw)
+    lab.backends["local"] = backend
+    master = lab.repo.master().hash
+    for k in (3, 4):
+        lab.apply_file(spec_from_edit(lab, f"seed-{k}", "SEED = 42 +", f"SEED = 4{k} +"), "t")
+    summary = lab.step()
+    for _ in range(60):
+        if summary.done:
+            break
+        summary = lab.step()
+    st = {n: s for n, s, _ in summary.rows}
+    for k in (3, 4):
+        s = st[f"seed-{k}"]
+        assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Rejected", "WithinNoise")
+        assert [r for r in backend.requests if r.startswith(f"exp-seed-{k}-")] == [
+            f"exp-seed-{k}-1", f"exp-seed-{k}-1-c1", f"exp-seed-{k}-1-m1", f"exp-seed-{k}-1-c2",
+            f"exp-seed-{k}-1-m2"]
+    assert lab.repo.master().hash == master
+    rows = lab.ledger.rows()
+    assert not any(r["promoted"] == "1" for r in rows)
+    lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
+    summary = lab.step()
+    for _ in range(30):
+        if summary.done:
+            break
+        summary = lab.step()
+    s = {n: s for n, s, _ in summary.rows}["lr-03"]
+    assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Promoted", "Confirmed")
+    assert lab.repo.master().experiment == "lr-03"
+    assert lab.repo.master().val_bpb == 0.93  # the confirm runs' mean (seeds 1, 2), not 0.92

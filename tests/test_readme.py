@@ -649,6 +649,13 @@ async def test_the_cluster_commands_do_what_the_readme_says(tmp_path):
                 out = await kubectl(next_is("kubectl -n autolab logs -f job/exp-warmdown-03-1"))
                 assert out == "step 00025 loss 4.1\nval_bpb: 0.95\n"
                 await c.finish_pod(pod, result(0.95), 0)
+                # A win is confirmed first: two fresh Jobs of the candidate, two of the master.
+                await watch.until(r"^warmdown-03\s+Confirming\s")
+                for confirm in ("c1", "m1", "c2", "m2"):
+                    name = f"{job}-{confirm}"
+                    await c.until(f"the confirm Job {name}", lambda: c.get(JOBS, name), timeout=60)
+                    pod = await c.start_pod(name)
+                    await c.finish_pod(pod, result(0.95 if confirm[0] == "c" else 1.0), 0)
                 await watch.until(r"^warmdown-03\s+Succeeded\s+Promoted\s+0\.95\s")
             finally:
                 watch.stop()

@@ -332,10 +332,42 @@ def test_minimum_delta_auto_waits_for_the_noise_then_uses_it():
                         run=run))
     assert "promote" not in d.kinds() and d.status["reason"] == "Rejected"
     assert d.status["verdict"] == "WithinNoise"
+    # 0.06 clears the margin: one lucky draw could, so fresh runs of both decide (two each,
+    # the lab asked for none); a lab that asks for none (`confirmRuns: 0`) promotes on it
     run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.94}})
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
-                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
-                        run=run))
+    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0), run=run)
+    d = reconcile(w)
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["reason"]) == ("Confirming", "ConfirmRuns")
+    assert d.status["confirm"]["runs"] == 2 and "beyond the margin 0.0494975" in d.status["message"]
+    d = reconcile(dataclasses.replace(w, lab=dataclasses.replace(lab, confirm_runs=0)))
+    assert "promote" in d.kinds()
+
+
+def test_a_lucky_no_op_under_the_default_margin_is_confirmed_away():
+    """Noise mining: variants that change nothing, applied until one draw clears the margin.
+    The draw that picked the win is not part of the verdict, so it buys nothing."""
+    lab = dataclasses.replace(LAB, min_delta="auto", confirm_runs=None)
+    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01, noise_df=2,
+              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
+              run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.93}}))
+    d = reconcile(w)
+    assert d.status["phase"] == "Confirming" and "promote" not in d.kinds()
+    status = d.status
+    fresh = {"c1": 1.004, "m1": 0.998, "c2": 0.993, "m2": 1.003}  # the same program, twice
+    for _ in range(4):
+        d = reconcile(dataclasses.replace(w, status=status, run=None, slot="0"))
+        (sub,) = [i for i in d.intents if i.kind == "submit"]
+        run = RunObservation(sub.args["run"], "succeeded",
+                             result={"metrics": {"val_bpb": fresh[sub.args["run"][-2:]]}})
+        d = reconcile(dataclasses.replace(w, status=d.status, run=run))
+        status = d.status
+    assert "promote" not in d.kinds()
+    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
+        ("Succeeded", "Rejected", "WithinNoise")
+    # a numeric margin with nothing asked: one run decides, as the lab said
+    d = reconcile(dataclasses.replace(w, lab=dataclasses.replace(lab, min_delta=0.05)))
     assert "promote" in d.kinds()
 
 

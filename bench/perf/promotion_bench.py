@@ -10,7 +10,10 @@ The lab's surface is a synthetic train.py of independent switches, `EFFECT_07 = 
 enough apart that any two changes rebase onto each other cleanly; experiment i sets its
 switch to 1. The lab is configured as a user would: `minDelta: auto` (its noise measured
 by the controller's own repeat runs of the master), `confirmRuns`, 4 slots, and all of a
-trial's experiments applied at once, so about 20 are in flight together.
+trial's experiments applied at once, so about 20 are in flight together. `--confirm-runs
+unsaid --noise-runs 3` is the lab `autolab init` writes (confirm runs for wins beyond the
+margin only); `--confirm-runs 0` lets one run decide (the policy before the thirteenth
+session), which is what an agent mining the noise with no-op variants plays against.
 
 Three kinds of trial:
   noise   every change has no effect: each promotion is a false one
@@ -23,6 +26,7 @@ never replaced by a program that lacks it). It prints the promoted share per kin
 spent per decision, and the wall time.
 
     .venv/bin/python bench/perf/promotion_bench.py [--trials 10] [--per-trial 20] [--seed 1]
+        [--confirm-runs 5|unsaid] [--noise-runs 10] [--gain-sigmas 3] [--kinds noise,gain,mixed]
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ class Trial:
     seconds: float = 0.0
 
 
-def make_lab(root: Path) -> LocalLab:
+def make_lab(root: Path, confirm_runs: int | None, noise_runs: int) -> LocalLab:
     lab = init_lab(root, profile="tiny", data="synthetic", budget=5)
     (root / lab.lab.surface).write_text(surface())
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost",
@@ -140,8 +144,9 @@ def make_lab(root: Path) -> LocalLab:
     lab.repo.seed_master(lab.repo.git("rev-parse", "HEAD").stdout.strip())
     doc = yaml.safe_load((root / LAB_FILE).read_text())
     doc["spec"]["capacity"] = {"gpuSlots": SLOTS}
-    doc["spec"]["promotion"] = {"minDelta": "auto", "confirmRuns": CONFIRM_RUNS,
-                                "noiseRuns": NOISE_RUNS}
+    doc["spec"]["promotion"] = {"minDelta": "auto", "noiseRuns": noise_runs}
+    if confirm_runs is not None:
+        doc["spec"]["promotion"]["confirmRuns"] = confirm_runs
     (root / LAB_FILE).write_text(yaml.safe_dump(doc, sort_keys=False))
     return LocalLab(root)
 
@@ -175,7 +180,8 @@ def check_linear(lab: LocalLab) -> str:
     return ""
 
 
-def run_trial(kind: str, n: int, rng: random.Random, base: Path, index: int) -> Trial:
+def run_trial(kind: str, n: int, rng: random.Random, base: Path, index: int,
+              a: argparse.Namespace) -> Trial:
     t = Trial(kind)
     started = time.time()
     ids = list(range(n))
@@ -186,8 +192,8 @@ def run_trial(kind: str, n: int, rng: random.Random, base: Path, index: int) -> 
     else:
         t.true = ids[: max(1, n // 4)]
         t.null = ids[len(t.true):]
-    gains = {i: GAIN_SIGMAS * SIGMA for i in t.true}
-    lab = make_lab(base / f"{kind}-{index}")
+    gains = {i: a.gain_sigmas * SIGMA for i in t.true}
+    lab = make_lab(base / f"{kind}-{index}", a.confirm_runs, a.noise_runs)
     backend = TruthBackend(rng, gains)
     lab.backends["local"] = backend
     for i in ids:
@@ -219,20 +225,29 @@ def main() -> int:
     ap.add_argument("--per-trial", type=int, default=20, help="experiments in flight per trial")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kinds", default="noise,gain,mixed")
+    ap.add_argument("--confirm-runs", default=str(CONFIRM_RUNS),
+                    help="promotion.confirmRuns of the labs, or 'unsaid' (the default lab's)")
+    ap.add_argument("--noise-runs", type=int, default=NOISE_RUNS, help="promotion.noiseRuns")
+    ap.add_argument("--gain-sigmas", type=float, default=GAIN_SIGMAS,
+                    help="a true gain, in sigmas")
+    ap.add_argument("--no-goals", action="store_true",
+                    help="print the figures without judging them against the goals below")
     a = ap.parse_args()
+    a.confirm_runs = None if a.confirm_runs == "unsaid" else int(a.confirm_runs)
     if a.per_trial > SWITCHES:
         ap.error(f"--per-trial: at most {SWITCHES}")
     os.environ["AUTOLAB_GPUS"] = ",".join(str(i) for i in range(SLOTS))
     os.environ["AUTOLAB_TRACKING"] = "0"
     rng = random.Random(a.seed)
-    print(f"promotion bench: sigma {SIGMA}, true gain {GAIN_SIGMAS} sigma, {SLOTS} slots, "
-          f"{a.per_trial} experiments in flight per trial, minDelta auto ({NOISE_RUNS} noise "
-          f"runs), confirmRuns {CONFIRM_RUNS}, seed {a.seed}", flush=True)
+    print(f"promotion bench: sigma {SIGMA}, true gain {a.gain_sigmas:g} sigma, {SLOTS} slots, "
+          f"{a.per_trial} experiments in flight per trial, minDelta auto ({a.noise_runs} noise "
+          f"runs), confirmRuns {'unsaid' if a.confirm_runs is None else a.confirm_runs}, "
+          f"seed {a.seed}", flush=True)
     results: dict[str, list[Trial]] = {}
     with tempfile.TemporaryDirectory(prefix="autolab-promotion-") as tmp:
         for kind in a.kinds.split(","):
             for k in range(a.trials):
-                t = run_trial(kind, a.per_trial, rng, Path(tmp), k)
+                t = run_trial(kind, a.per_trial, rng, Path(tmp), k, a)
                 results.setdefault(kind, []).append(t)
                 print(f"  {kind} trial {k}: promoted {len(t.promoted & set(t.true))}/"
                       f"{len(t.true)} true, {len(t.promoted & set(t.null))}/{len(t.null)} "
@@ -254,9 +269,9 @@ def main() -> int:
         print(f"{kind:7} {true + null:>11} {share(tp, true):>14} {share(fp, null):>14} "
               f"{runs / max(1, decisions):>14.2f} {linear:>3}/{len(trials)}")
         ok &= linear == len(trials)
-        if null:
+        if null and not a.no_goals:
             ok &= fp <= 0.05 * null
-        if true and kind == "gain":
+        if true and kind == "gain" and not a.no_goals:
             ok &= tp >= 0.95 * true
     reasons: dict[str, int] = {}
     for trials in results.values():
@@ -264,8 +279,8 @@ def main() -> int:
             for name, (phase, reason, outcome) in t.outcomes.items():
                 reasons[f"{phase}/{reason}"] = reasons.get(f"{phase}/{reason}", 0) + 1
     print("verdicts:", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
-    print("PASS" if ok else "FAIL", "(null promoted <= 5 %, gain promoted >= 95 %, every "
-          "history linear)")
+    print("PASS" if ok else "FAIL", "(every history linear)" if a.no_goals else
+          "(null promoted <= 5 %, gain promoted >= 95 %, every history linear)")
     return 0 if ok else 1
 
 

@@ -59,7 +59,8 @@ def cmd_init(a) -> int:
     if lab.lab.min_delta == "auto":
         print(f"promotion: minDelta auto: the first `autolab run` measures the master's noise "
               f"({lab.lab.noise_runs} repeat runs) before it judges an experiment; a win must clear "
-              "that noise (`--min-delta 0` would promote any improvement, luck included)")
+              "that noise, then fresh runs of it and of the master confirm it (`--min-delta 0` "
+              "would promote any improvement on one run, luck included)")
     cmd = autolab_command()
     print(f"next: `cd {a.dir}`, write a spec (`{cmd} worktree NAME`, `{cmd} new NAME`), then "
           f"`{cmd} apply -f FILE` and `{cmd} run`{activate_hint()}")

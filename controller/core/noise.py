@@ -12,10 +12,18 @@ promotes noise. This module holds the numbers of that judgement, pure:
   itself estimated from a few runs, so the margin is wide (3.5 of those):
   noise alone clears it in about one comparison in 4,000 when sigma is right,
   and in about one in 50 when sigma came out 40 % low.
-- `confirm(candidate, master, noise)`: the test every win must pass when the lab
-  asks for confirm runs (`promotion.confirmRuns: N`; a win beyond the margin
-  too, so that no master's val_bpb is one lucky run): N fresh
-  runs of the candidate and N of the master, seeds the harness sets, and a
+- `confirm_runs(min_delta, asked, gain, need)`: how many confirm runs a first
+  run that beat the master by `gain` needs before a verdict. With `auto` and
+  nothing asked (the default), a win beyond the margin is confirmed by
+  AUTO_CONFIRM_RUNS runs of each program: the margin is a screen, one draw
+  against a sigma estimated from a few runs, so an agent that submits many
+  behaviourally equal variants (another SEED, a dead constant) would buy a lucky
+  draw sooner or later (about one in 50 when sigma came out 40 % low); a fresh
+  test on runs that did not pick the win makes that draw worthless. Asked for
+  (`promotion.confirmRuns: N`), every improvement is confirmed, one inside the
+  margin too: more sensitive, and more runs. 0 asks for none.
+- `confirm(candidate, master, noise)`: the test a confirmed win must pass: N
+  fresh runs of the candidate and N of the master, seeds the harness sets, and a
   one-sided two-sample Student's t-test at level ALPHA that the candidate's
   mean is lower. The variance is pooled from the fresh runs and, when the lab
   measured its noise, from those repeat runs too (their degrees of freedom
@@ -37,6 +45,11 @@ ALPHA = 0.025           # one-sided level of the confirm test
 T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
           9: 2.262, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086,
           25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+# Confirm runs of each program for a win beyond the `auto` margin when the lab asks for none:
+# with the lab's noise runs pooled in, two of each give the t-test 4-5 degrees of freedom, so
+# a true win at the margin (4.9 sigma) passes about nine times in ten and a lucky draw of a
+# no-op passes one time in 40.
+AUTO_CONFIRM_RUNS = 2
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
 # Each follow-up answers a promotion, so the count is bounded anyway; the cap bounds what one
 # experiment spends while a lab keeps promoting others.
@@ -60,6 +73,20 @@ def margin(min_delta: float | str, sigma: float | None) -> float | None:
     if min_delta == "auto":
         return None if sigma is None else MARGIN_Z * sigma * math.sqrt(2)
     return float(min_delta)
+
+
+def confirm_runs(min_delta: float | str, asked: int | None, gain: float | None,
+                 need: float) -> int:
+    """How many confirm runs of each program a first run that beat the master by `gain`
+    needs (0: that run decides, against the margin `need`).
+
+    `asked` is `promotion.confirmRuns` (None: the lab did not say).
+    """
+    if gain is None or gain <= 0:
+        return 0
+    if asked is None:
+        return AUTO_CONFIRM_RUNS if min_delta == "auto" and gain > need else 0
+    return asked
 
 
 def t_crit(df: int) -> float:

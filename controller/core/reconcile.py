@@ -19,9 +19,10 @@ The master moves only by real, cumulative improvements:
 - A run judged after the master moved is judged against its own parent's
   measurement; if it won there, a rebased follow-up run (attempt 2, then 3)
   measures it on the current master, and only that run can promote it.
-- A win inside the margin (`promotion.minDelta`, a number or `auto` from the
-  lab's noise) is confirmed when the lab asks for confirm runs: fresh runs of
-  the candidate and of its master, then the test in `controller.core.noise`.
+- A win is confirmed before it is promoted (`controller.core.noise.confirm_runs`
+  says when: with `minDelta: auto`, the default, every win beyond the margin;
+  every improvement when the lab asks for confirm runs): fresh runs of the
+  candidate and of its master, then the test in `controller.core.noise`.
 
 Every intent is idempotent and every one that must happen at a terminal phase
 (recording the ledger row, removing the worktree) is issued again until the
@@ -37,7 +38,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.noise import MAX_ATTEMPTS, confirm, margin, mean, within_noise
+from controller.core.noise import (MAX_ATTEMPTS, confirm, confirm_runs, margin, mean,
+                                   within_noise)
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
@@ -510,14 +512,13 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     need = _margin(w)
     need = 0.0 if need is None else need
     moved = _moved(w, st)
-    if w.lab.confirm_runs > 0:
-        # Every win is confirmed, a large one too: one run that clears the margin is still
-        # one run, picked for its luck, and the master's val_bpb would inherit that luck
-        # (the next candidates would be judged against a number too good to beat).
-        won, close = False, base is not None and (base - val) > 0
-    else:
-        won, close = base is not None and (base - val) > need, False
-    if w.promotion is None and w.master.experiment != w.name and (won or close):
+    # A win that needs confirm runs is not promoted on this one: one run that clears the
+    # margin is still one run, picked for its luck (an agent can draw again and again with
+    # variants that change nothing), and the master's val_bpb would inherit that luck.
+    runs = confirm_runs(w.lab.min_delta, w.lab.confirm_runs,
+                        None if base is None else base - val, need)
+    won = runs == 0 and base is not None and (base - val) > need
+    if w.promotion is None and w.master.experiment != w.name and (won or runs):
         if moved:
             return _follow_up(s, val, base)
         if won:
@@ -526,7 +527,7 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
             s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val,
                                                 "margin": need, "against": base}))
             return s.decision()
-        return _start_confirm(s, val, base)
+        return _start_confirm(s, val, base, runs)
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
@@ -582,26 +583,29 @@ def _follow_up(s: _Step, val: float, base: float | None, done: int | None = None
     if job:
         s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val})
-    again = bool(st.get("confirm")) or (w.lab.confirm_runs > 0 and base is not None
-                                         and 0 < base - val <= (_margin(w) or 0.0))
+    need = _margin(w) or 0.0
+    runs = (st.get("confirm") or {}).get("runs") or (
+        0 if base is None or base - val > need
+        else confirm_runs(w.lab.min_delta, w.lab.confirm_runs, base - val, need))
     for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "confirm"):
         st.pop(k, None)
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
-    if again:
-        st["confirm"] = {"runs": w.lab.confirm_runs, "candidate": [], "master": []}
+    if runs:  # a clear win gets a new first run; one that needed confirm runs, those
+        st["confirm"] = {"runs": runs, "candidate": [], "master": []}
     s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
     s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
     return s.decision()
 
 
-def _start_confirm(s: _Step, val: float, base: float) -> Decision:
+def _start_confirm(s: _Step, val: float, base: float, n: int) -> Decision:
     w, st = s.w, s.st
-    n = w.lab.confirm_runs
     job = st["job"]
-    msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f} by {base - val:.6f}, inside "
-           f"the margin {_margin(w) or 0:g}: {n} fresh runs each of the candidate and the "
-           "master decide.")
+    need = _margin(w) or 0.0
+    where = "inside" if base - val <= need else "beyond"
+    msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f} by {base - val:.6f}, {where} "
+           f"the margin {need:g}: one run is not a verdict, so {n} fresh runs each of the "
+           "candidate and the master decide.")
     st["confirm"] = {"runs": n, "candidate": [], "master": []}
     st["job"] = None
     s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))

@@ -41,7 +41,7 @@ from typing import Any
 
 import jsonschema
 
-from controller.core.noise import MARGIN_Z
+from controller.core.noise import AUTO_CONFIRM_RUNS, MARGIN_Z
 
 GROUP = "autolab.dev"
 VERSION = "v1alpha1"
@@ -133,11 +133,13 @@ LAB_SPEC = _obj(
                 "x-kubernetes-preserve-unknown-fields": True,
                 "anyOf": [{"type": "number", "minimum": 0},
                           {"type": "string", "enum": ["auto"]}]},
-            "confirmRuns": _i("When one run wins by less than minDelta: run the candidate and "
-                              "the master this many more times each (seeds the harness sets) "
-                              "and promote only if a one-sided test at 0.025 says the "
-                              "candidate is better. 0: no confirm runs.",
-                              minimum=0, maximum=20, default=0),
+            "confirmRuns": _i("Fresh runs of the candidate and of the master, this many of "
+                              "each (seeds the harness sets), that decide a win before it is "
+                              "promoted, by a one-sided test at 0.025: every improvement is "
+                              "confirmed, one inside minDelta too. Unsaid: with minDelta auto, "
+                              f"a win beyond the margin is confirmed by {AUTO_CONFIRM_RUNS} of "
+                              "each (one run is not a verdict); with a number, none. "
+                              "0: one run decides.", minimum=0, maximum=20),
             "noiseRuns": _i("Repeat runs of the master that measure the lab's noise when "
                             "minDelta is auto and nothing was measured yet.",
                             minimum=2, maximum=50, default=3),
@@ -463,7 +465,7 @@ class LabSpec:
     data: str = "hub"
     gpu_slots: int = 0
     min_delta: float | str = "auto"   # a number, or "auto" (controller.core.noise.margin)
-    confirm_runs: int = 0
+    confirm_runs: int | None = None  # None: unsaid (controller.core.noise.confirm_runs)
     noise_runs: int = 3
     backend: str = "local"
     kubernetes: dict = field(default_factory=dict)
@@ -477,7 +479,7 @@ class LabSpec:
                    budget_seconds=spec.get("budgetSeconds"), data=spec.get("data", "hub"),
                    gpu_slots=int(spec.get("capacity", {}).get("gpuSlots", 0)),
                    min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", "auto")),
-                   confirm_runs=int(spec.get("promotion", {}).get("confirmRuns", 0)),
+                   confirm_runs=_confirm_runs(spec.get("promotion", {}).get("confirmRuns")),
                    noise_runs=int(spec.get("promotion", {}).get("noiseRuns", 3)),
                    backend=spec.get("backend", "local"),
                    kubernetes=dict(spec.get("kubernetes", {})), hf=dict(spec.get("hf", {})))
@@ -485,6 +487,10 @@ class LabSpec:
 
 def _min_delta(v: object) -> float | str:
     return "auto" if v == "auto" else float(v)  # type: ignore[arg-type]
+
+
+def _confirm_runs(v: object) -> int | None:
+    return None if v is None else int(v)  # type: ignore[call-overload]
 
 
 def is_valid_name(name: str) -> bool:
