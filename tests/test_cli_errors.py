@@ -277,7 +277,7 @@ def test_a_new_lab_measures_its_noise_before_it_promotes_unless_told_otherwise(t
     made = autolab("init", str(tmp_path / "a"), "--profile", "tiny", "--data", "synthetic", env=env)
     assert made.returncode == 0, made.stderr
     assert yaml.safe_load((tmp_path / "a" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": "auto"}
-    assert "measures the master's noise (3 repeat runs)" in made.stdout
+    assert "measures the master's noise (5 repeat runs)" in made.stdout
     made = autolab("init", str(tmp_path / "b"), "--profile", "tiny", "--min-delta", "0", env=env)
     assert made.returncode == 0, made.stderr
     assert yaml.safe_load((tmp_path / "b" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": 0.0}

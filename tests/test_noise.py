@@ -14,18 +14,19 @@ from labkit import InstantBackend, spec_from_edit
 
 # What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
 # candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
-BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0}
+BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0, 4: 0.99, 5: 1.01}
 
 
 def measured(req) -> float:
     return BY_SEED[req.seed] - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
 
 
-@pytest.mark.parametrize("promotion", [{"minDelta": "auto", "noiseRuns": 3}, None],
-                         ids=["auto", "unsaid"])
+@pytest.mark.parametrize("promotion,runs", [({"minDelta": "auto", "noiseRuns": 3}, 3),
+                                            (None, 5)], ids=["auto", "unsaid"])
 def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch,
-                                                                     promotion):
-    """`auto`, and a lab that does not say (auto is the default): a 2-sigma "win" is noise."""
+                                                                     promotion, runs):
+    """`auto`, and a lab that does not say (auto is the default, with five noise runs): a
+    2-sigma "win" is noise."""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     root = tmp_path / "lab"
     init_lab(root, profile="tiny", data="synthetic", budget=5)
@@ -43,20 +44,20 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
         if summary.done:
             break
         summary = lab.step()
-    # the baseline (seed 0), then three repeat runs with harness seeds 1..3, then the experiment
+    # the baseline (seed 0), then the repeat runs with harness seeds 1..runs, then the experiment
     assert [(r, q.seed) for r, q in backend.requests.items()] == [
         ("baseline-default-" + lab.repo.master().hash[:10] + "-1", 0),
-        *[(f"noise-default-{lab.repo.master().hash[:10]}-s{s}", s) for s in (1, 2, 3)],
+        *[(f"noise-default-{lab.repo.master().hash[:10]}-s{s}", s) for s in range(1, runs + 1)],
         ("exp-lr-03-1", 0)]
     noise = json.loads((root / "research" / "live" / "noise.json").read_text())
-    assert noise["values"] == [0.99, 1.01, 1.0] and noise["sigma"] == 0.01
+    assert noise["values"] == [BY_SEED[s] for s in range(1, runs + 1)] and noise["sigma"] == 0.01
     assert (noise["profile"], noise["budgetSeconds"]) == ("tiny", 5)
     st = {n: s for n, s, _ in summary.rows}["lr-03"]
     # 0.02 better than the master's mean (1.0), inside 3.5 * 0.01 * sqrt(2) = 0.0495
     assert (st["phase"], st["outcome"]) == ("Succeeded", "Rejected")
     assert "by more than 0.0494975" in st["message"] and "inside the lab's noise" in st["message"]
     statuses = [r["status"] for r in lab.ledger.rows()]
-    assert statuses == ["baseline", "noise", "noise", "noise", "succeeded"]
+    assert statuses == ["baseline"] + ["noise"] * runs + ["succeeded"]
 
 
 def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_path, monkeypatch):

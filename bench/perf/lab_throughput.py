@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     lab = Path(a.lab)
     shutil.rmtree(lab, ignore_errors=True)
     # minDelta 0: the experiments follow the baseline at once (a new lab's `auto` would first
-    # run the master three more times to measure its noise: once per lab, not the steady state).
+    # run the master five more times to measure its noise: once per lab, not the steady state).
     made = autolab("init", str(lab), "--profile", a.profile, "--data", a.data,
                    "--budget", f"{a.budget:g}", "--min-delta", "0")
     if made.returncode != 0:

@@ -128,6 +128,7 @@ class Trial:
     promoted: set[int] = field(default_factory=set)
     outcomes: dict[str, tuple] = field(default_factory=dict)
     runs: int = 0               # experiment runs (first runs, follow-ups, confirm runs)
+    confirmed: int = 0          # experiments that went to confirm runs (a first run won)
     decisions: int = 0          # experiments that reached a verdict
     linear: bool = True
     why: str = ""
@@ -213,6 +214,7 @@ def run_trial(kind: str, n: int, rng: random.Random, base: Path, index: int,
         if st.get("phase") == "Succeeded":
             t.decisions += 1
     t.runs = sum(1 for r in backend.submitted if r.startswith("exp-"))
+    t.confirmed = len({r.rsplit("-", 2)[0] for r in backend.submitted if r.endswith("-c1")})
     t.why = check_linear(lab)
     t.linear = not t.why
     t.seconds = time.time() - started
@@ -251,11 +253,11 @@ def main() -> int:
                 results.setdefault(kind, []).append(t)
                 print(f"  {kind} trial {k}: promoted {len(t.promoted & set(t.true))}/"
                       f"{len(t.true)} true, {len(t.promoted & set(t.null))}/{len(t.null)} "
-                      f"null; {t.runs} runs; linear {'yes' if t.linear else 'NO: ' + t.why}; "
+                      f"null; {t.runs} runs, {t.confirmed} confirmed; linear {'yes' if t.linear else 'NO: ' + t.why}; "
                       f"{t.seconds:.1f} s", flush=True)
     print()
     print(f"{'kind':7} {'experiments':>11} {'true promoted':>14} {'null promoted':>14} "
-          f"{'runs/decision':>14} {'linear':>7}")
+          f"{'runs/decision':>14} {'confirmed':>10} {'linear':>7}")
     ok = True
     for kind, trials in results.items():
         true = sum(len(t.true) for t in trials)
@@ -267,7 +269,8 @@ def main() -> int:
         linear = sum(t.linear for t in trials)
         share = lambda a_, b_: f"{a_}/{b_} {100 * a_ / b_:.1f}%" if b_ else "-"  # noqa: E731
         print(f"{kind:7} {true + null:>11} {share(tp, true):>14} {share(fp, null):>14} "
-              f"{runs / max(1, decisions):>14.2f} {linear:>3}/{len(trials)}")
+              f"{runs / max(1, decisions):>14.2f} {sum(t.confirmed for t in trials):>10} "
+              f"{linear:>3}/{len(trials)}")
         ok &= linear == len(trials)
         if null and not a.no_goals:
             ok &= fp <= 0.05 * null

@@ -45,6 +45,11 @@ ALPHA = 0.025           # one-sided level of the confirm test
 T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
           9: 2.262, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086,
           25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+# Repeat runs of the master that measure sigma when a lab does not say (`promotion.noiseRuns`).
+# sigma from n runs is itself noisy, and an underestimate narrows the margin: a program that
+# changes nothing clears the `auto` margin in about one try in 40 with 3 runs, one in 190 with
+# 5 and one in 900 with 8 (Monte Carlo over the estimate, the thirteenth session's RESULTS).
+NOISE_RUNS = 5
 # Confirm runs of each program for a win beyond the `auto` margin when the lab asks for none:
 # with the lab's noise runs pooled in, two of each give the t-test 4-5 degrees of freedom, so
 # a true win at the margin (4.9 sigma) passes about nine times in ten and a lucky draw of a

@@ -41,7 +41,7 @@ from typing import Any
 
 import jsonschema
 
-from controller.core.noise import AUTO_CONFIRM_RUNS, MARGIN_Z
+from controller.core.noise import AUTO_CONFIRM_RUNS, MARGIN_Z, NOISE_RUNS
 
 GROUP = "autolab.dev"
 VERSION = "v1alpha1"
@@ -142,7 +142,7 @@ LAB_SPEC = _obj(
                               "0: one run decides.", minimum=0, maximum=20),
             "noiseRuns": _i("Repeat runs of the master that measure the lab's noise when "
                             "minDelta is auto and nothing was measured yet.",
-                            minimum=2, maximum=50, default=3),
+                            minimum=2, maximum=50, default=NOISE_RUNS),
         }),
         "backend": _s("Default backend for experiments.", enum=list(BACKENDS), default="local"),
         "kubernetes": _obj("Settings of the Kubernetes Job backend.", {
@@ -466,7 +466,7 @@ class LabSpec:
     gpu_slots: int = 0
     min_delta: float | str = "auto"   # a number, or "auto" (controller.core.noise.margin)
     confirm_runs: int | None = None  # None: unsaid (controller.core.noise.confirm_runs)
-    noise_runs: int = 3
+    noise_runs: int = NOISE_RUNS
     backend: str = "local"
     kubernetes: dict = field(default_factory=dict)
     hf: dict = field(default_factory=dict)
@@ -480,7 +480,7 @@ class LabSpec:
                    gpu_slots=int(spec.get("capacity", {}).get("gpuSlots", 0)),
                    min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", "auto")),
                    confirm_runs=_confirm_runs(spec.get("promotion", {}).get("confirmRuns")),
-                   noise_runs=int(spec.get("promotion", {}).get("noiseRuns", 3)),
+                   noise_runs=int(spec.get("promotion", {}).get("noiseRuns", NOISE_RUNS)),
                    backend=spec.get("backend", "local"),
                    kubernetes=dict(spec.get("kubernetes", {})), hf=dict(spec.get("hf", {})))
 
