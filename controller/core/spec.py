@@ -122,10 +122,11 @@ LAB_SPEC = _obj(
         }),
         "promotion": _obj("When a finished candidate replaces the master.", {
             "minDelta": {
-                "description": "Promote on one run only if val_bpb is lower than the master's "
-                               "by more than this: a number (0: strictly lower), or auto "
+                "description": "A run wins only if its val_bpb is lower than the master's by "
+                               "more than this: a number (0: strictly lower), or auto "
                                f"({MARGIN_Z:g} sigma of a two-run difference, sigma from the "
-                               "lab's noise measurement, the default).",
+                               "lab's noise measurement, the default; such a win is then "
+                               "confirmed by fresh runs, see confirmRuns).",
                 "default": "auto",
                 # A number or "auto". A structural CRD schema cannot say "number or string",
                 # so the CRD keeps this field untyped (crd_schema drops the anyOf) and the
