@@ -19,6 +19,17 @@ def spec_from_edit(lab, name: str, old: str, new: str, hypothesis: str | None = 
                      "diff": diff, "priority": priority}}
 
 
+def run_until_done(lab, steps: int = 60) -> dict:
+    """Step the local loop until every experiment settled; the statuses by name."""
+    summary = lab.step()
+    for _ in range(steps):
+        if summary.done:
+            break
+        summary = lab.step()
+    assert summary.done, summary.rows
+    return {n: st for n, st, _ in summary.rows}
+
+
 class InstantBackend:
     """A backend whose runs finish at once with `value(request)` as their val_bpb."""
 

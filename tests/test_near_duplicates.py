@@ -7,16 +7,7 @@ import yaml
 
 from controller.cli.lab import init_lab
 from controller.cli.main import main
-from labkit import InstantBackend, spec_from_edit
-
-
-def run_until_done(lab):
-    summary = lab.step()
-    for _ in range(50):
-        if summary.done:
-            break
-        summary = lab.step()
-    return {n: st for n, st, _ in summary.rows}
+from labkit import InstantBackend, run_until_done, spec_from_edit
 
 
 def test_the_same_move_as_a_rejected_experiment_is_flagged_and_still_runs(tmp_path, capsys,

@@ -10,7 +10,7 @@ import yaml
 
 from controller.cli.lab import init_lab
 from controller.local import LAB_FILE, LocalLab
-from labkit import InstantBackend, spec_from_edit
+from labkit import InstantBackend, run_until_done, spec_from_edit
 
 # What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
 # candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
@@ -39,11 +39,7 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
     backend = InstantBackend(measured)
     lab.backends["local"] = backend
     lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
-    summary = lab.step()
-    for _ in range(30):
-        if summary.done:
-            break
-        summary = lab.step()
+    settled = run_until_done(lab)
     # the baseline (seed 0), then the repeat runs with harness seeds 1..runs, then the experiment
     assert [(r, q.seed) for r, q in backend.requests.items()] == [
         ("baseline-default-" + lab.repo.master().hash[:10] + "-1", 0),
@@ -52,7 +48,7 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
     noise = json.loads((root / "research" / "live" / "noise.json").read_text())
     assert noise["values"] == [BY_SEED[s] for s in range(1, runs + 1)] and noise["sigma"] == 0.01
     assert (noise["profile"], noise["budgetSeconds"]) == ("tiny", 5)
-    st = {n: s for n, s, _ in summary.rows}["lr-03"]
+    st = settled["lr-03"]
     # 0.02 better than the master's mean (1.0), inside 3.5 * 0.01 * sqrt(2) = 0.0495
     assert (st["phase"], st["outcome"]) == ("Succeeded", "Rejected")
     assert "by more than 0.0494975" in st["message"] and "inside the lab's noise" in st["message"]
@@ -83,12 +79,7 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     master = lab.repo.master().hash
     for k in (3, 4):
         lab.apply_file(spec_from_edit(lab, f"seed-{k}", "SEED = 42 +", f"SEED = 4{k} +"), "t")
-    summary = lab.step()
-    for _ in range(60):
-        if summary.done:
-            break
-        summary = lab.step()
-    st = {n: s for n, s, _ in summary.rows}
+    st = run_until_done(lab)
     for k in (3, 4):
         s = st[f"seed-{k}"]
         assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Rejected", "WithinNoise")
@@ -99,12 +90,7 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     rows = lab.ledger.rows()
     assert not any(r["promoted"] == "1" for r in rows)
     lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
-    summary = lab.step()
-    for _ in range(30):
-        if summary.done:
-            break
-        summary = lab.step()
-    s = {n: s for n, s, _ in summary.rows}["lr-03"]
+    s = run_until_done(lab)["lr-03"]
     assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Promoted", "Confirmed")
     assert lab.repo.master().experiment == "lr-03"
     assert lab.repo.master().val_bpb == 0.93  # the confirm runs' mean (seeds 1, 2), not 0.92

@@ -583,15 +583,16 @@ def _follow_up(s: _Step, val: float, base: float | None, done: int | None = None
     if job:
         s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val})
-    need = _margin(w) or 0.0
-    runs = (st.get("confirm") or {}).get("runs") or (
-        0 if base is None or base - val > need
-        else confirm_runs(w.lab.min_delta, w.lab.confirm_runs, base - val, need))
+    # Confirm runs under way start over on the new master; a win inside the margin that
+    # needed them goes straight to them; a clear win gets a new first run.
+    runs = (st.get("confirm") or {}).get("runs", 0)
+    if not runs and base is not None and base - val <= (_margin(w) or 0.0):
+        runs = confirm_runs(w.lab.min_delta, w.lab.confirm_runs, base - val, _margin(w) or 0.0)
     for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "confirm"):
         st.pop(k, None)
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
-    if runs:  # a clear win gets a new first run; one that needed confirm runs, those
+    if runs:
         st["confirm"] = {"runs": runs, "candidate": [], "master": []}
     s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
     s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
