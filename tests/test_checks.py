@@ -271,16 +271,16 @@ def test_candidates_of_one_master_dump_only_the_statements_they_change(monkeypat
     assert dumped == ["Assign"]
 
 
-def test_a_check_compiles_the_text_once_and_parses_only_the_lines_it_changed(repo, monkeypatch):
-    """What a check costs is Python's parser: the candidate's text is compiled once (every
-    error `python` would raise), and only the statement its diff changed is parsed into a
-    tree for the semantic hash; the master's statements were parsed when it was hashed."""
+def test_a_check_compiles_and_parses_only_the_lines_it_changed(repo, monkeypatch):
+    """What a check costs is Python's parser and compiler: only the statement its diff
+    changed is parsed into a tree, and only that tree is compiled; the master's statements
+    were parsed and compiled when it was checked."""
     import ast
     import builtins
 
-    from controller.core.hashing import semantic_hash
+    from controller.core.hashing import compiled_semantic_hash
 
-    semantic_hash(SURFACE)  # as syncing the master does
+    compiled_semantic_hash(SURFACE, repo.lab.surface)  # as the master's own check did
     parsed: list[str] = []
     compiled: list[str] = []
     real_parse, real_compile = ast.parse, builtins.compile
@@ -291,7 +291,8 @@ def test_a_check_compiles_the_text_once_and_parses_only_the_lines_it_changed(rep
 
     def compile_(source, filename, mode="exec", flags=0, *a, **k):
         if filename == repo.lab.surface and not flags & ast.PyCF_ONLY_AST:  # not ast.parse's
-            compiled.append("text" if isinstance(source, (str, bytes)) else "tree")
+            compiled.append("text" if isinstance(source, (str, bytes)) else
+                            ast.unparse(source))
         return real_compile(source, filename, mode, flags, *a, **k)
 
     monkeypatch.setattr(ast, "parse", parse)
@@ -299,8 +300,8 @@ def test_a_check_compiles_the_text_once_and_parses_only_the_lines_it_changed(rep
     changed = SURFACE.replace("0.02", "0.03")
     c = repo.materialise("e1", spec(repo, udiff(SURFACE, changed)))
     assert not c.refusal
-    assert compiled == ["text"]
     assert parsed == [line for line in changed.splitlines() if "0.03" in line]
+    assert compiled == [ast.unparse(real_parse(parsed[0]))]
     monkeypatch.undo()
     assert c.semantic_hash == hashlib.sha1(ast.dump(ast.parse(changed)).encode()).hexdigest()
 
@@ -351,3 +352,124 @@ def test_the_semantic_hash_of_any_edit_is_the_hash_of_its_whole_ast():
         parsed += 1
         assert semantic_hash(text) == hashlib.sha1(ast.dump(tree).encode()).hexdigest(), text
     assert parsed > 100  # the edits that keep a file valid are what the shortcut must get right
+
+
+# Lines the parser takes and the compiler may not: errors Python raises only once the whole
+# module is compiled (a name declared global after it was used, a late __future__ import),
+# errors of a statement on its own, and declarations that are fine where they stand.
+COMPILER_LINES = ["global MATRIX_LR", "global fresh_name", "fresh_name = 1", "x: int = 1",
+                  "global x", "from __future__ import annotations", "return 1", "break",
+                  "continue", "nonlocal q", "yield 2", "await q", "def f():\n    nonlocal q",
+                  "def f():\n    global g\n    g = 1", "class C:\n    return 3",
+                  "from os import *", "def f():\n    from os import *", "print(x)",
+                  "def f(a, a): pass", "__debug__ = 1", "f(x for x in y, 1)", "x = 1"]
+
+
+def test_a_check_refuses_exactly_what_python_refuses_to_compile():
+    """A check compiles only the statements it changed when that gives Python's verdict on
+    the whole file. Edits that a diff can make, near the master's statements or at the top
+    of the file, with lines only the compiler refuses, some only in the context of the
+    module (a `global` after the name was assigned, a `from __future__` that is not first):
+    whenever compiling the whole text raises, the check raises the same error at the same
+    line; whenever it compiles, the check gives the hash of its whole tree."""
+    import ast
+    import random
+
+    from controller.core.hashing import compiled_semantic_hash
+
+    base = (Path(__file__).resolve().parents[1] / "bench" / "train.py").read_text()
+    compiled_semantic_hash(base, "bench/train.py")
+    rng = random.Random(16)
+    lines = base.split("\n")
+    verdicts = {"compiles": 0, "refused": 0}
+    for _ in range(300):
+        new = list(lines)
+        for _ in range(rng.choice((1, 1, 2))):
+            at = rng.choice((0, rng.randrange(len(new) + 1), rng.randrange(len(new) + 1)))
+            if rng.random() < 0.5 and at < len(new):
+                new[at] = rng.choice(COMPILER_LINES + TRICKY_LINES[:6])
+            else:
+                new.insert(at, rng.choice(COMPILER_LINES))
+        text = "\n".join(new)
+        try:
+            ast.parse(text)
+        except SyntaxError:
+            continue  # the parser's own errors: the previous test
+        try:
+            compile(text, "bench/train.py", "exec", dont_inherit=True)
+        except SyntaxError as whole:
+            verdicts["refused"] += 1
+            with pytest.raises(SyntaxError) as got:
+                compiled_semantic_hash(text, "bench/train.py")
+            assert (got.value.msg, got.value.lineno) == (whole.msg, whole.lineno), text
+            continue
+        verdicts["compiles"] += 1
+        assert compiled_semantic_hash(text, "bench/train.py") == hashlib.sha1(
+            ast.dump(ast.parse(text)).encode()).hexdigest()
+    assert verdicts["compiles"] > 40 and verdicts["refused"] > 60, verdicts
+
+
+@pytest.mark.parametrize("master, candidate, error", [
+    ("x = 1\ny = 2\n", "x = 1\ny = 2\nglobal x\n",
+     "name 'x' is assigned to before global declaration"),
+    ("x = 1\nprint(x)\n", "x = 1\nglobal y\nprint(x)\ny = 3\n", None),
+    ("y = 1\nglobal x\n", "y = 1\nx = 2\nglobal x\n",  # the master's declaration
+     "name 'x' is assigned to before global declaration"),
+    ("print(x)\nz = 1\n", "print(x)\nz = 1\nglobal x\n",
+     "name 'x' is used prior to global declaration"),
+    ("x: int = 1\nz = 2\n", "x: int = 1\nz = 2\nglobal x\n", "annotated name 'x' can't be global"),
+    ('"""doc"""\nfrom __future__ import annotations\nx = 1\n',
+     '"""doc"""\nfrom __future__ import annotations\nx = 1\nfrom __future__ import division\n',
+     "from __future__ imports must occur at the beginning of the file"),
+    ("x = 1\ny = 2\n", "x = 1\nreturn y\ny = 2\n", "'return' outside function"),
+])
+def test_a_declaration_that_reaches_across_the_module_is_compiled_with_all_of_it(
+        master, candidate, error):
+    """The statements a check does not compile again are the ones a module-wide declaration
+    can make wrong: a check of a module with one compiles all of it."""
+    from controller.core.hashing import compiled_semantic_hash
+
+    compiled_semantic_hash(master, "bench/train.py")
+    if error is None:
+        compiled_semantic_hash(candidate, "bench/train.py")
+        return
+    with pytest.raises(SyntaxError, match=error):
+        compiled_semantic_hash(candidate, "bench/train.py")
+
+
+def test_the_candidate_is_the_diff_applied_whatever_the_users_git_config(repo, tmp_path,
+                                                                         monkeypatch):
+    """The diff is applied by git outside the lab's repository: a user's global config that
+    rewrites line ends or refuses whitespace on checkout must not change the candidate's
+    bytes (what is hashed, run and committed is the diff applied, exactly)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").write_text("[core]\n\tautocrlf = true\n\teol = crlf\n"
+                                     "[apply]\n\twhitespace = error\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL", raising=False)
+    repo.close()  # its git processes start again, under this HOME
+    changed = SURFACE.replace("WARMDOWN = 0.5", "WARMDOWN = 0.6   ")
+    c = repo.materialise("e1", spec(repo, udiff(SURFACE, changed, "bench/train.py")))
+    assert not c.refusal, c.message
+    assert repo.candidate_source("e1") == changed
+    from controller.core.hashing import candidate_hash
+    assert c.candidate_hash == candidate_hash(changed)
+    blob = subprocess.run(["git", "cat-file", "blob", f"autolab/exp/e1:bench/train.py"],
+                          cwd=repo.root, capture_output=True).stdout
+    assert blob == changed.encode()
+
+
+def test_a_git_process_a_check_talks_to_that_died_is_started_again(repo):
+    """A check writes objects and moves branches through long-lived git processes; one that
+    died (killed, out of memory) costs the next check nothing but their start."""
+    first = SURFACE.replace("0.02", "0.03")
+    assert not repo.materialise("e1", spec(repo, udiff(SURFACE, first))).refusal
+    for pipe in repo.plumbing()._all:
+        pipe.proc.kill()
+        pipe.proc.wait()
+    second = SURFACE.replace("0.02", "0.04")
+    c = repo.materialise("e2", spec(repo, udiff(SURFACE, second)))
+    assert not c.refusal, c.message
+    assert repo.candidate_source("e2") == second
+    assert repo.candidate_source("e1") == first

@@ -6,7 +6,8 @@ memory figures are the operator's (its check pool's processes are its children).
 The client, which creates the Experiments one after another and watches for their
 Jobs, is a third process, as kubectl would be. The CPU each process used from the
 first create to the last Job is printed too (the operator's without the git
-processes it starts; with --py-spy, where it went). Every Experiment is a real
+processes it starts, each checker's with its git processes, the long-lived ones
+included; with --py-spy, where it went). Every Experiment is a real
 diff against bench/train.py with a distinct candidate, so each goes through every pre-run
 check (apply, commit, compile, hashes on the check pool; duplicate lookup)
 before its Job is created. The Lab leaves queueing to the cluster (no
@@ -87,6 +88,23 @@ def children(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (a checker's long-lived git processes)."""
+    out, todo = [], [pid]
+    while todo:
+        found = children(todo.pop())
+        out += found
+        todo += found
+    return out
+
+
+def with_descendants(pid: int, before: dict[int, float]) -> tuple[float, dict[int, float]]:
+    """CPU of `pid` and its waited children, plus what each living descendant used since
+    `before` (theirs then; one started since counts whole)."""
+    now = {d: cpu_seconds(d) for d in descendants(pid)}
+    return cpu_seconds(pid) + sum(v - before.get(d, 0.0) for d, v in now.items()), now
 
 
 def pct(values: list[float], q: float) -> float:
@@ -274,11 +292,15 @@ def one_round(count: int, a: argparse.Namespace) -> dict:
                                     "--output", f"{a.py_spy}.{count}"], stdout=subprocess.DEVNULL)
             time.sleep(1.0)  # attached to every process before the first create
         cpu0 = {k: cpu_seconds(v, k != "operator") for k, v in procs.items()}
+        # A checker's git processes that live as long as it does are its CPU too.
+        below0 = {k: with_descendants(v, {})[1] for k, v in procs.items() if k.startswith("checker")}
         client.stdin.write("go\n")
         client.stdin.flush()
         client.wait()  # the peak RSS is the kernel's (VmHWM): nothing to sample meanwhile
         # The operator's own (the client it has just reaped is not its CPU).
-        cpu = {k: round(cpu_seconds(v, k != "operator") - cpu0[k], 2) for k, v in procs.items() if k != "client"}
+        cpu = {k: round((with_descendants(v, below0[k])[0] if k in below0 else
+                         cpu_seconds(v, k != "operator")) - cpu0[k], 2)
+               for k, v in procs.items() if k != "client"}
         got = json.loads(answer.read_text())
         cpu["client"] = got["cpu_seconds"]
         created, seen, t_created, t_all = got["created"], got["seen"], got["create_seconds"], got["all_seconds"]

@@ -28,16 +28,19 @@ equal), so the hash is the one every ledger row and master already carries.
 
 Building the Python tree of the whole file costs more than the dump did (`ast.parse`
 of train.py ~6 ms, then `compile()` of that tree ~4 ms, as much as compiling the
-text). So a check compiles the text (`compile_source`: the compiler Python runs,
-every syntax error it would raise) and parses only what changed: the lines between
-the longest run of whole statements the candidate shares, line for line, with the
-start of a module hashed before and the longest it shares with its end
-(`_Module`, a few remembered per process). That middle is parsed on its own. A
-tokenizer reads the shared lines the same way whatever follows them, and the
-middle, parsed alone, starts at column 0 and ends with nothing open (a bracket,
-a string, a block waiting for `else:`): so the whole file's statements are the
-shared ones around the middle's. A middle that does not parse alone (an indented
-line continuing a shared block, say) is not a shortcut: the whole file is parsed.
+text). So a check parses only what changed: the lines between the longest run of
+whole statements the candidate shares, line for line, with the start of a module
+hashed before and the longest it shares with its end (`_Module`, a few remembered per
+process). That middle is parsed on its own. A tokenizer reads the shared lines the
+same way whatever follows them, and the middle, parsed alone, starts at column 0 and
+ends with nothing open (a bracket, a string, a block waiting for `else:`): so the
+whole file's statements are the shared ones around the middle's. A middle that does
+not parse alone (an indented line continuing a shared block, say) is not a shortcut:
+the whole file is parsed. And it compiles only that middle where the module it starts
+from is known to compile (`compiled_semantic_hash`): Python's compiler judges each
+top-level statement on its own but for a top-level `global` and `from __future__`,
+so a module with either, or a middle that does not compile alone, is compiled whole,
+and its error is the one `python` gives.
 """
 
 from __future__ import annotations
@@ -124,21 +127,61 @@ def semantic_hash(source: str) -> str:
     Only the statements that differ from a module hashed before are parsed and dumped
     (see the module's docstring); the hash is sha1(ast.dump(ast.parse(source)))."""
     lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    module = _Module.shortcut(lines)
+    found = _Module.shortcut(lines)
+    module = found[0] if found is not None else _Module.parsed(source, lines)
+    return _remembered_hash(module)
+
+
+def compiled_semantic_hash(source: str, filename: str) -> str:
+    """`compile_source`, then `semantic_hash`: raises what `python` would raise compiling
+    the text, and compiles only what changed where that gives the same verdict.
+
+    A module made of a compiled module's statements around a new middle compiles if its
+    middle compiles on its own, with two exceptions that reach across statements: a
+    top-level `global` (Python refuses one that follows a use or an assignment of the
+    name anywhere before it at module level) and `from __future__` (it must come first and
+    changes how the rest compiles). Where either module holds one, or there is no such
+    module to start from, or the middle alone does not compile, the whole text is
+    compiled: its error, with its line, is the one a user sees (the module's docstring
+    says why the statements around the middle are the same statements in both)."""
+    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    found = _Module.shortcut(lines, compiled=True)
+    module = None
+    if found is not None and not found[1].declares and not _declares(found[2].body):
+        try:
+            with _AST_LOCK:
+                compile(found[2], filename, "exec", dont_inherit=True)
+            module = found[0]
+        except Exception:  # its own error or not: the whole text says which, and where
+            module = None
     if module is None:
-        tree = parse_python(source)
-        if not isinstance(tree, ast.Module) or tree.type_ignores:
-            return hashlib.sha1(ast.dump(tree).encode("utf-8")).hexdigest()
-        module = _Module.of(lines, tree.body, 0)
+        compile_source(source, filename)
+        module = _Module.parsed(source, lines)
+    if isinstance(module, _Module):
+        module.compiled = True
+    return _remembered_hash(module)
+
+
+def _remembered_hash(module: "_Module | str") -> str:
+    if isinstance(module, str):  # a tree the statements cannot stand for (see `parsed`)
+        return module
     _Module.remember(module)
     return hashlib.sha1(
         f"Module(body=[{', '.join(module.dumps)}], type_ignores=[])".encode("utf-8")).hexdigest()
+
+
+def _declares(body: list[ast.stmt]) -> bool:
+    """A top-level statement that reaches across the module when it compiles."""
+    return any(isinstance(node, ast.Global) or (isinstance(node, ast.ImportFrom)
+                                                and node.module == "__future__")
+               for node in body)
 
 
 STATEMENT_DUMPS_MAX = 4096  # top-level statements remembered (a few masters' worth)
 _STATEMENT_DUMPS: OrderedDict[tuple, str] = OrderedDict()
 _STATEMENT_DUMPS_LOCK = threading.Lock()
 MODULES_KEPT = 4  # modules a later one is compared with (a master and the candidates of it)
+_DECLARATION_DUMPS = ("Global(", "ImportFrom(module='__future__'")  # see `_declares`
 
 
 def _statement_dump(node: ast.stmt, text: str) -> str:
@@ -165,9 +208,12 @@ class _Module:
     _kept: list["_Module"] = []
     _lock = threading.Lock()
 
-    def __init__(self, lines: list[str], units: list[tuple[int, int, list[str]]]):
+    def __init__(self, lines: list[str], units: list[tuple[int, int, list[str]]],
+                 declares: bool = False):
         self.lines = lines
         self.units = units
+        self.declares = declares  # holds a top-level `global` or `from __future__`
+        self.compiled = False  # known to compile as a whole (`compiled_semantic_hash`)
 
     @property
     def dumps(self) -> list[str]:
@@ -186,7 +232,16 @@ class _Module:
                 units[-1] = (units[-1][0], max(last, units[-1][1]), units[-1][2] + [dump])
             else:
                 units.append((first, last, [dump]))
-        return cls(lines, units)
+        return cls(lines, units, _declares(body))
+
+    @classmethod
+    def parsed(cls, source: str, lines: list[str]) -> "_Module | str":
+        """The whole text parsed (SyntaxError if it does not parse); a module whose tree
+        the statements cannot stand for gives its hash instead."""
+        tree = parse_python(source)
+        if not isinstance(tree, ast.Module) or tree.type_ignores:
+            return hashlib.sha1(ast.dump(tree).encode("utf-8")).hexdigest()
+        return cls.of(lines, tree.body, 0)
 
     @classmethod
     def remember(cls, module: "_Module") -> None:
@@ -194,10 +249,13 @@ class _Module:
             cls._kept = [module] + [m for m in cls._kept if m is not module][:MODULES_KEPT - 1]
 
     @classmethod
-    def shortcut(cls, lines: list[str]) -> "_Module | None":
-        """`lines` as units, parsing only what no kept module holds; None: parse it all."""
+    def shortcut(cls, lines: list[str], compiled: bool = False
+                 ) -> "tuple[_Module, _Module, ast.Module] | None":
+        """`lines` as units, parsing only what no kept module holds, with the kept module
+        it started from and the middle's tree (`compiled`: only from one known to compile);
+        None: parse it all."""
         with cls._lock:
-            kept = list(cls._kept)
+            kept = [m for m in cls._kept if m.compiled or not compiled]
         best: tuple[int, "_Module", int, int] | None = None
         for ref in kept:
             n = min(len(lines), len(ref.lines))
@@ -226,5 +284,7 @@ class _Module:
         if not isinstance(tree, ast.Module) or tree.type_ignores:
             return None
         middle = cls.of(lines, tree.body, start)
+        declares = any(d.startswith(_DECLARATION_DUMPS) for _, _, ds in before + after for d in ds)
         return cls(lines, before + middle.units + [(f + shift, l + shift, ds)
-                                                   for f, l, ds in after])
+                                                   for f, l, ds in after],
+                   declares or middle.declares), ref, tree

@@ -1,22 +1,24 @@
 """The lab repo: git branches for candidates, the master and its history.
 
 Every experiment is materialised without a worktree, in git's object store:
-its diff is applied by `git apply --cached` to a temporary index holding the
-master it was written against (arguments as a list, the diff on stdin: no
-shell ever sees a user's string), and committed (`commit-tree`) with the
-hypothesis as the message and trailers naming the experiment, campaign and
-parent. If the master moved on, that commit is rebased onto the current
-master as cherry-pick would (`git merge-tree --write-tree`, a three-way merge
-based on the parent): a clean merge rebases it, a conflict refuses it with
-the failing hunk. The candidate's bytes are read from the commit; the commit
-stays on branch `autolab/exp/<name>` (the experiment DAG), and a marker
+its diff is applied by `git apply` to a copy of the surface as it is in the
+master it was written against, in a scratch directory outside any repository
+(arguments as a list, the diff on stdin: no shell ever sees a user's string;
+no config but git's defaults, so nobody's `core.autocrlf` rewrites the bytes),
+and committed with the hypothesis as the message and trailers naming the
+experiment, campaign and parent. If the master moved on, that commit is rebased
+onto the current master as cherry-pick would (`git merge-tree --write-tree`, a
+three-way merge based on the parent): a clean merge rebases it, a conflict
+refuses it with the failing hunk. The commit stays on branch
+`autolab/exp/<name>` (the experiment DAG), and a marker
 `.autolab/candidates/<name>` says that a cleanup is owed until the run ends.
 No check shares a file with another, so many run at once (`CheckPool`: the
-engine's pool of checking processes), and none checks out files: a check is
-three short git processes in a pool's worker (apply, write-tree,
-commit-tree; it reads blobs and moves branches through a `cat-file --batch`
-and an `update-ref --stdin` that live as long as it does) where `git worktree add`/`remove` alone took ~30
-ms (issue 15).
+engine's pool of checking processes), and a check starts one process, `git
+apply`: it reads objects, writes the blob, the trees and the commit, and moves
+the branch through long-lived git processes (`cat-file --batch`, `hash-object
+--stdin-paths`, `mktree --batch`, `update-ref --stdin`; `_Plumbing`), where `git
+worktree add`/`remove` alone took ~30 ms and a temporary index with `apply
+--cached`, `write-tree` and `commit-tree` three processes (issue 15).
 
 The master is branch `autolab/master` plus `research/live/master.json`, which
 holds its hashes, its metric and the history of masters (so a spec's `parent`
@@ -36,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool as BrokenExecutor
 from dataclasses import dataclass
@@ -45,14 +48,15 @@ from typing import Any, Callable
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, parse_surface_diff
-from controller.core.hashing import (candidate_hash, check_candidate_source, compile_source,
-                                     semantic_hash)
+from controller.core.hashing import (candidate_hash, check_candidate_source,
+                                     compiled_semantic_hash, semantic_hash)
 from controller.core.reconcile import Candidate, Master, PromotionResult, promotion_refused
 from controller.core.spec import ExperimentSpec, LabSpec, SpecError
 from controller.lab.paths import LabPaths
 
 MASTER_BRANCH = "autolab/master"
-GIT_ID = ["-c", "user.name=autolab", "-c", "user.email=autolab@localhost",
+GIT_NAME, GIT_EMAIL = "autolab", "autolab@localhost"  # who commits in a lab
+GIT_ID = ["-c", f"user.name={GIT_NAME}", "-c", f"user.email={GIT_EMAIL}",
           "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null"]
 
 
@@ -94,9 +98,9 @@ class LabRepo:
         self.state = self.paths.state
         self.master_file = self.paths.master_file
         self._master_lock = FileLock(str(self.state / "locks" / "master.lock"))
-        self._indexes: dict[str, bytes] = {}  # commit -> an index of its tree (see _index_of)
-        self._reader: _BlobReader | None = None  # a check pool's worker reads through one,
-        self._refs: _RefWriter | None = None      # and moves branches through one
+        self._plumbing: _Plumbing | None = None  # long-lived git processes (see `plumbing`)
+        self._plumbing_lock = threading.Lock()
+        self._path_trees: dict[str, list[list[tuple[bytes, bytes, str]]]] = {}  # see _tree_with
 
     # -- git -----------------------------------------------------------------------------------
     def git(self, *args: str, cwd: Path | None = None, input: str | None = None,
@@ -212,26 +216,60 @@ class LabRepo:
             shutil.rmtree(wt, ignore_errors=True)  # half-made by a crash: forget it in git too
             self.git("worktree", "prune", check=False)
 
-    def _index_of(self, commit: str) -> bytes:
-        """A git index holding `commit`'s tree (read once per commit, then copied)."""
-        index = self._indexes.get(commit)
-        if index is None:
-            with tempfile.TemporaryDirectory(prefix="autolab-index-") as d:
-                path = os.path.join(d, "index")
-                self.git_bytes("read-tree", commit, env={**os.environ, "GIT_INDEX_FILE": path})
-                index = Path(path).read_bytes()
-            self._indexes[commit] = index
-        return index
+    def plumbing(self) -> "_Plumbing":
+        """This repo's long-lived git processes, started on first use (a check pool's worker
+        keeps them for every check of the lab; `close` ends them, as does garbage collection)."""
+        with self._plumbing_lock:
+            if self._plumbing is None or not self._plumbing.alive():
+                if self._plumbing is not None:
+                    self._plumbing.close()
+                self._plumbing = _Plumbing(self.root)
+                self._path_trees.clear()  # a new reader: read the trees again
+            return self._plumbing
 
-    def _commit(self, tree: str, parent: str, message: str) -> str:
-        # `git commit -m` cleans the message up this way (cleanup=whitespace); commit-tree not.
-        return self.git_bytes("commit-tree", tree, "-p", parent, "-F", "-",
-                              input=_stripspace(message).encode("utf-8")).stdout.decode().strip()
+    def close(self) -> None:
+        """End the long-lived git processes (a later check starts them again)."""
+        with self._plumbing_lock:
+            plumbing, self._plumbing = self._plumbing, None
+        if plumbing is not None:
+            plumbing.close()
 
-    def _blob(self, tree: str) -> bytes:
-        if self._reader is not None:
-            return self._reader.read(f"{tree}:{self.lab.surface}")
-        return self.git_bytes("cat-file", "blob", f"{tree}:{self.lab.surface}").stdout
+    def _tree_with(self, commit: str, blob: str) -> str:
+        """The tree of `commit` with the surface's blob replaced by `blob` (`git mktree`, one
+        tree per directory on the surface's path; the parent's trees are read once)."""
+        git = self.plumbing()
+        parts = self.lab.surface.encode("utf-8").split(b"/")
+        levels = self._path_trees.get(commit)
+        if levels is None:
+            levels, where = [], f"{commit}^{{tree}}"
+            for depth in range(len(parts)):
+                levels.append(_tree_entries(git.read(where, b"tree"), len(commit) // 2))
+                where = f"{commit}:{b'/'.join(parts[:depth + 1]).decode('utf-8')}"
+            if len(self._path_trees) >= 16:
+                self._path_trees.pop(next(iter(self._path_trees)))
+            self._path_trees[commit] = levels
+        oid = blob
+        for depth in reversed(range(len(parts))):
+            entries = [(mode, name, oid if name == parts[depth] else old)
+                       for mode, name, old in levels[depth]]
+            oid = git.trees.ask(b"".join(
+                mode + b" " + _KIND.get(mode, b"blob") + b" " + old.encode() + b"\t" + name + b"\0"
+                for mode, name, old in entries) + b"\0")
+        return oid
+
+    def _commit(self, tree: str, parent: str, message: str, scratch: str) -> str:
+        """`git commit-tree` as the lab commits (author and committer autolab, now), through
+        the long-lived `hash-object -t commit`; the text goes through a file in `scratch`."""
+        now = time.time()
+        offset = int(time.localtime(now).tm_gmtoff) // 60
+        when = f"{int(now)} {'-' if offset < 0 else '+'}{abs(offset) // 60:02d}{abs(offset) % 60:02d}"
+        who = f"{GIT_NAME} <{GIT_EMAIL}> {when}"
+        if tree.endswith("^{tree}"):
+            tree = self.plumbing().object(tree)[0]
+        text = f"tree {tree}\nparent {parent}\nauthor {who}\ncommitter {who}\n\n"
+        path = os.path.join(scratch, "commit")
+        Path(path).write_bytes(text.encode("utf-8") + _stripspace(message).encode("utf-8"))
+        return self.plumbing().commits.ask(path.encode("utf-8") + b"\n")
 
     def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
         """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""
@@ -248,50 +286,42 @@ class LabRepo:
         except DiffRefused as e:
             return Candidate(refusal="Invalid", reason=e.reason, message=str(e)), master.commit
         self._remove_worktree(name)
-        with tempfile.TemporaryDirectory(prefix="autolab-check-") as d:
-            index = os.path.join(d, "index")
-            Path(index).write_bytes(self._index_of(parent["commit"]))
-            env = {**os.environ, "GIT_INDEX_FILE": index}
-            # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
-            zero = ["--unidiff-zero"] if diff.zero_context else []
-            applied = self.git_bytes("apply", "--cached", "--whitespace=nowarn", *zero, "-",
-                                     input=diff.text.encode("utf-8"), env=env, check=False)
-            if applied.returncode != 0:
-                why = applied.stderr.decode("utf-8", "replace").strip()
-                why = why.replace("error: ", "").replace("\n", "; ")
-                return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
-                                 message=_does_not_apply(parent, master, surface, why)), \
-                    master.commit
-            tree = self.git_bytes("write-tree", env=env).stdout.decode().strip()
-        trailers = (f"\n\nAutolab-Experiment: {name}\nAutolab-Campaign: {spec.campaign or '-'}"
-                    f"\nAutolab-Parent: {parent['hash']}")
-        commit = self._commit(tree, parent["commit"], spec.hypothesis + trailers)
-        rebased_from = None
-        base = parent
-        if parent["commit"] != master.commit:
-            tree, hunk = self._rebase(commit, parent["commit"], master.commit)
-            if tree is None:
-                msg = (f"diff was written against {parent['hash'][:12]} and conflicts with the "
-                       f"current master {master.hash[:12]} ({master.experiment or 'seed'}):\n"
-                       f"{hunk}\nrewrite the change against the current master")
-                return Candidate(refusal="Conflict", reason="RebaseConflict", message=msg), \
-                    master.commit
-            rebased_from = parent["hash"]
-            base = {"hash": master.hash}
-            # A change the master already holds rebases to the master's own tree: kept, so the
-            # candidate is the master itself and the duplicate check says so (not a conflict).
-            commit = self._commit(tree, master.commit, spec.hypothesis
-                                  + trailers.replace(parent["hash"], master.hash)
-                                  + f"\nAutolab-Rebased-From: {parent['hash']}")
-        raw = self._blob(tree)
+        with tempfile.TemporaryDirectory(prefix="autolab-check-") as scratch:
+            candidate = self._apply(parent, master, diff, scratch)
+            if isinstance(candidate, Candidate):
+                return candidate, master.commit
+            raw, blob = candidate
+            tree = self._tree_with(parent["commit"], blob)
+            trailers = (f"\n\nAutolab-Experiment: {name}\nAutolab-Campaign: {spec.campaign or '-'}"
+                        f"\nAutolab-Parent: {parent['hash']}")
+            commit = self._commit(tree, parent["commit"], spec.hypothesis + trailers, scratch)
+            rebased_from = None
+            base = parent
+            if parent["commit"] != master.commit:
+                tree, hunk = self._rebase(commit, parent["commit"], master.commit, scratch)
+                if tree is None:
+                    msg = (f"diff was written against {parent['hash'][:12]} and conflicts with "
+                           f"the current master {master.hash[:12]} "
+                           f"({master.experiment or 'seed'}):\n{hunk}\n"
+                           "rewrite the change against the current master")
+                    return Candidate(refusal="Conflict", reason="RebaseConflict",
+                                     message=msg), master.commit
+                rebased_from = parent["hash"]
+                base = {"hash": master.hash}
+                # A change the master already holds rebases to the master's own tree: kept, so
+                # the candidate is the master itself and the duplicate check says so (not a
+                # conflict).
+                commit = self._commit(tree, master.commit, spec.hypothesis
+                                      + trailers.replace(parent["hash"], master.hash)
+                                      + f"\nAutolab-Rebased-From: {parent['hash']}", scratch)
+                raw = self.plumbing().read(f"{tree}:{surface}", b"blob")
         refused = check_candidate_source(raw, surface)  # what Python runs is what we hash
         if refused is not None:
             return Candidate(refusal="Invalid", reason=refused.reason,
                              message=refused.message), master.commit
         source = raw.decode("utf-8")
         try:  # the text compiles as `python` compiles it; only what changed is parsed again
-            compile_source(source, surface)
-            sem = semantic_hash(source)
+            sem = compiled_semantic_hash(source, surface)
         except SyntaxError as e:
             return Candidate(refusal="Invalid", reason="CompileError",
                              message=f"candidate does not compile: {surface} line {e.lineno}: "
@@ -305,15 +335,42 @@ class LabRepo:
         marker = self.candidate_marker(name)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(commit + "\n")
-        if self._refs is not None:
-            self._refs.point(f"refs/heads/autolab/exp/{name}", commit)
-        else:
-            self.git("branch", "-f", f"autolab/exp/{name}", commit)
+        self.plumbing().refs.point(f"refs/heads/autolab/exp/{name}", commit)
         return Candidate(candidate_hash=candidate_hash(source), semantic_hash=sem,
                          parent_hash=base["hash"], rebased_from=rebased_from, commit=commit,
                          changed_lines=len(diff.added) + len(diff.removed)), master.commit
 
-    def _rebase(self, commit: str, parent: str, master: str) -> tuple[str | None, str]:
+    def _apply(self, parent: dict, master: Master, diff: Any,
+               scratch: str) -> Candidate | tuple[bytes, str]:
+        """The parent's surface with the diff applied, and its blob: (bytes, blob id), or the
+        refusal. `git apply` patches a copy of the file in `scratch`, outside any repository
+        (as `patch` would, with git's rules, and no config but its defaults), and the result
+        goes into the object store through the long-lived `hash-object`, as it is."""
+        surface = self.lab.surface
+        target = Path(scratch, "tree", surface)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.write_bytes(self.plumbing().read(f"{parent['commit']}:{surface}", b"blob"))
+        except GitError:
+            return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
+                             message=_does_not_apply(parent, master, surface,
+                                                     f"{surface} is not in it"))
+        # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
+        zero = ["--unidiff-zero"] if diff.zero_context else []
+        applied = subprocess.run(["git", "apply", "--whitespace=nowarn", *zero, "-"],
+                                 cwd=target.parents[len(Path(surface).parts) - 1],
+                                 input=diff.text.encode("utf-8"), capture_output=True,
+                                 env=_apply_env(scratch))
+        if applied.returncode != 0:
+            why = applied.stderr.decode("utf-8", "replace").strip()
+            why = why.replace("error: ", "").replace("\n", "; ")
+            return Candidate(refusal="Invalid", reason="DiffDoesNotApply",
+                             message=_does_not_apply(parent, master, surface, why))
+        blob = self.plumbing().blobs.ask(str(target).encode("utf-8") + b"\n")
+        return target.read_bytes(), blob
+
+    def _rebase(self, commit: str, parent: str, master: str,
+                scratch: str) -> tuple[str | None, str]:
         """The tree of `commit` cherry-picked onto `master`; (None, the hunk) on a conflict.
 
         A three-way merge in git's object store (`git merge-tree --write-tree`), as
@@ -321,16 +378,17 @@ class LabRepo:
         2.39 has no --merge-base, so the master's tree goes on a commit whose parent is
         `parent`, which makes `parent` the merge base whatever the history between them.
         """
-        ours = self._commit(f"{master}^{{tree}}", parent, "the current master, for a rebase")
+        ours = self._commit(f"{master}^{{tree}}", parent, "the current master, for a rebase",
+                            scratch)
         merged = self.git_bytes("merge-tree", "--write-tree", ours, commit, check=False)
         tree = merged.stdout.decode("utf-8", "replace").split("\n", 1)[0].strip()
         if merged.returncode == 0:
             return tree, ""
         text = None
         if merged.returncode == 1 and tree:
-            shown = self.git_bytes("cat-file", "blob", f"{tree}:{self.lab.surface}", check=False)
-            if shown.returncode == 0:
-                text = shown.stdout.decode("utf-8", "replace")
+            with contextlib.suppress(GitError):
+                text = self.plumbing().read(f"{tree}:{self.lab.surface}", b"blob").decode(
+                    "utf-8", "replace")
         return None, _conflict_hunk(text)
 
     def cleanup(self, name: str, keep_branch: bool) -> None:
@@ -353,43 +411,100 @@ _WORKER_REPOS: dict[str, LabRepo] = {}  # in a worker: the labs it checked last,
 _WORKER_REPOS_MAX = 8
 
 
-class _BlobReader:
-    """One `git cat-file --batch` for the life of a worker: a blob without a process each."""
+_KIND = {b"40000": b"tree", b"160000": b"commit"}  # a tree entry's mode -> its object's kind
 
-    def __init__(self, root: Path):
-        self.proc = subprocess.Popen(["git", *GIT_ID, "cat-file", "--batch"], cwd=root,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+
+def _tree_entries(raw: bytes, id_bytes: int) -> list[tuple[bytes, bytes, str]]:
+    """A tree object's entries as (mode, name, object id), in git's order."""
+    entries, i = [], 0
+    while i < len(raw):
+        space = raw.index(b" ", i)
+        nul = raw.index(b"\0", space)
+        entries.append((raw[i:space], raw[space + 1:nul], raw[nul + 1:nul + 1 + id_bytes].hex()))
+        i = nul + 1 + id_bytes
+    return entries
+
+
+def _apply_env(scratch: str) -> dict[str, str]:
+    """`git apply` in a scratch directory: never a repository above it, nobody's config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return {**env, "GIT_CEILING_DIRECTORIES": scratch, "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull}
+
+
+class _GitPipe:
+    """A long-lived git command that answers each request with one line: an object without a
+    process each (`hash-object --stdin-paths`, `mktree --batch`). One that failed has ended;
+    `_Plumbing.alive` then says so, and the next check starts them all anew."""
+
+    def __init__(self, root: Path, *args: str):
+        self.args = args
+        self.proc = subprocess.Popen(["git", *GIT_ID, *args], cwd=root, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lock = threading.Lock()
 
-    def read(self, what: str) -> bytes:
+    def ask(self, request: bytes) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         with self.lock:
-            self.proc.stdin.write(what.encode("utf-8") + b"\n")
-            self.proc.stdin.flush()
-            header = self.proc.stdout.readline().split()
-            if len(header) != 3 or header[1] != b"blob":
-                raise GitError(f"git cat-file blob {what}: {b' '.join(header).decode()}")
-            data = self.proc.stdout.read(int(header[2]))
-            self.proc.stdout.read(1)  # the newline after the object
-            return data
+            try:
+                self.proc.stdin.write(request)
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except OSError:
+                line = b""
+            if not line:  # git said why on stderr, then ended
+                assert self.proc.stderr is not None
+                with contextlib.suppress(OSError, ValueError):
+                    self.proc.stdin.close()
+                why = self.proc.stderr.read().decode("utf-8", "replace").strip()
+                raise GitError(f"git {' '.join(self.args)}: {why or 'ended'}")
+            return line.decode().strip()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
-            self.proc.stdin.close()  # cat-file ends at the end of its input
-        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.stdin.close()  # each of them ends at the end of its input
+        try:
             self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
 
 
-class _RefWriter:
-    """One `git update-ref --stdin` for the life of a worker: a transaction per branch moved."""
+class _Reader(_GitPipe):
+    """`git cat-file --batch`: any object by name, its id and its bytes."""
 
     def __init__(self, root: Path):
-        self.proc = subprocess.Popen(["git", *GIT_ID, "update-ref", "--stdin"], cwd=root,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
-        self.lock = threading.Lock()
+        super().__init__(root, "cat-file", "--batch")
+
+    def object(self, what: str) -> tuple[str, bytes, bytes]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            try:
+                self.proc.stdin.write(what.encode("utf-8") + b"\n")
+                self.proc.stdin.flush()
+                header = self.proc.stdout.readline().split()
+            except OSError:
+                header = []
+            if len(header) != 3:  # "<name> missing", or cat-file ended
+                raise GitError(f"git cat-file {what}: {b' '.join(header).decode() or 'ended'}")
+            data = self.proc.stdout.read(int(header[2]))
+            self.proc.stdout.read(1)  # the newline after the object
+            return header[0].decode(), header[1], data
+
+
+class _RefWriter(_GitPipe):
+    """`git update-ref --stdin`: a transaction per branch moved."""
+
+    def __init__(self, root: Path):
+        super().__init__(root, "update-ref", "--stdin")
 
     def point(self, ref: str, commit: str) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -407,15 +522,40 @@ class _RefWriter:
                     why += self.proc.stderr.read().decode("utf-8", "replace")
                 raise GitError(f"git update-ref {ref} {commit}: {why.strip()}")
 
+
+class _Plumbing:
+    """The git processes a check talks to instead of starting its own: it reads objects,
+    writes blobs, trees and commits, and moves branches, each through one long-lived
+    process, so a check starts one process (`git apply`) where it started three."""
+
+    def __init__(self, root: Path):
+        self.reader = _Reader(root)
+        self.blobs = _GitPipe(root, "hash-object", "-w", "--no-filters", "--stdin-paths")
+        self.trees = _GitPipe(root, "mktree", "-z", "--batch")
+        self.commits = _GitPipe(root, "hash-object", "-w", "-t", "commit", "--stdin-paths")
+        self.refs = _RefWriter(root)
+        self._all = (self.reader, self.blobs, self.trees, self.commits, self.refs)
+        self._closer = weakref.finalize(self, _close_all, self._all)
+
+    def object(self, what: str) -> tuple[str, bytes, bytes]:
+        return self.reader.object(what)
+
+    def read(self, what: str, kind: bytes) -> bytes:
+        oid, got, data = self.reader.object(what)
+        if got != kind:
+            raise GitError(f"git cat-file {what}: a {got.decode()}, not a {kind.decode()}")
+        return data
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return all(p.alive() for p in self._all)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        self._closer()
+
+
+def _close_all(pipes: tuple[_GitPipe, ...]) -> None:
+    for pipe in pipes:
+        pipe.close()
 
 
 def _worker_ready(ready: Any) -> None:
@@ -426,18 +566,10 @@ def _worker_ready(ready: Any) -> None:
 
 def _check_in_worker(root: str, lab: LabSpec, name: str,
                      spec: ExperimentSpec) -> tuple[Candidate, str]:
-    repo = _WORKER_REPOS.pop(root, None)
-    if repo is None:
-        repo = LabRepo(root, lab)
-        repo._reader = _BlobReader(repo.root)
-    if repo._refs is None or not repo._refs.alive():  # one that failed has ended: anew
-        repo._refs = _RefWriter(repo.root)
+    repo = _WORKER_REPOS.pop(root, None) or LabRepo(root, lab)
     _WORKER_REPOS[root] = repo
     while len(_WORKER_REPOS) > _WORKER_REPOS_MAX:  # a long test session sees many labs
-        old = _WORKER_REPOS.pop(next(iter(_WORKER_REPOS)))
-        for helper in (old._reader, old._refs):
-            if helper is not None:
-                helper.close()
+        _WORKER_REPOS.pop(next(iter(_WORKER_REPOS))).close()
     repo.lab = lab  # as the engine's repo (`Engine.set_lab`)
     return repo.check(name, spec)
 
@@ -445,9 +577,10 @@ def _check_in_worker(root: str, lab: LabSpec, name: str,
 class CheckPool:
     """Worker processes that run `LabRepo.check` for many candidates at once.
 
-    A check is git subprocesses (free to overlap) and Python's compile and AST hash
-    (~20 ms of CPU that holds the GIL), so threads would run the Python half one at a
-    time: processes use every core. They start on the first check (spawned: the
+    A check is a git subprocess (free to overlap) and Python's compile and AST hash
+    of what changed (a few ms of CPU that holds the GIL; the whole file's, ~10 ms, on a
+    worker's first check), so threads would run the Python half one at a time:
+    processes use every core. They start on the first check (spawned: the
     operator's process has threads, which fork does not mix with) and serve every
     lab of this process. `executor` puts threads in their place (a test's: they run the
     caller's `LabRepo.check`); `task` is what runs a check in a process (a benchmark
