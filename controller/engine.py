@@ -450,14 +450,6 @@ class Engine:
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
                 slot = None
-            # The events of a transition go before the status that records it: a controller
-            # that dies in between makes the same transition again and tells it again (a sink
-            # that names each transition's events, as the operator's does, tells it once).
-            for event in decision.events:
-                self.events.experiment(name, event)
-            if decision.status != st:
-                st = decision.status
-                self.book.observe(name, st, priority)
             # A status is stored before any effect outside the engine: a slot from the book
             # (in memory) is none, so a status that only asks for one waits for the next step's
             # and both are one write ("All slots are busy" is stored only when they are). Nor
@@ -468,6 +460,17 @@ class Engine:
             kinds = decision.kinds()
             only_a_slot = bool(kinds) and schedule and all(k == "acquire-slot" for k in kinds)
             first_before_checks = not written and kinds == ["materialise"]
+            # The events of a transition go before the status that records it: a controller
+            # that dies in between makes the same transition again and tells it again (a sink
+            # that names each transition's events, as the operator's does, tells it once). A
+            # transition never stored is not told: Pending before the checks ("Accepted"),
+            # whose outcome is the first thing told.
+            if not first_before_checks:
+                for event in decision.events:
+                    self.events.experiment(name, event)
+            if decision.status != st:
+                st = decision.status
+                self.book.observe(name, st, priority)
             if st != written and not only_a_slot and not first_before_checks:
                 written = self._store(name, st, written)
             if not decision.intents:

@@ -559,10 +559,15 @@ class Operator:
                    or socket.gethostname())[:128]
 
     # -- one pass over an Experiment -------------------------------------------------------------
-    def reconcile_experiment(self, namespace: str, name: str,
-                             deleting: bool = False) -> Decision | None:
-        """One engine pass over the Experiment. None if the object is gone."""
-        obj = self.connect().get_custom(namespace, "experiments", name)
+    def reconcile_experiment(self, namespace: str, name: str, deleting: bool = False,
+                             seen: dict | None = None) -> Decision | None:
+        """One engine pass over the Experiment. None if the object is gone.
+
+        The pass reads the object first: kopf's copy may not hold what an earlier pass of
+        this process wrote. `seen` is kopf's copy of an object no pass of this process has
+        read or written (its first creation handler), which is as fresh as a read."""
+        obj = seen if seen is not None else self.connect().get_custom(namespace, "experiments",
+                                                                      name)
         if obj is None:
             return None
         lab = (obj.get("spec") or {}).get("lab", "default")
@@ -570,6 +575,10 @@ class Operator:
             rt = self.runtime(namespace, lab if isinstance(lab, str) else "default")
         except SpecError as e:
             raise LabUnusable(str(e)) from None
+        if seen is not None and name in rt.statuses.known:  # a pass has been here: read it
+            obj = self.connect().get_custom(namespace, "experiments", name)
+            if obj is None:
+                return None
         rt.statuses.fresh[name] = obj
         try:
             decision = rt.engine.reconcile(name, deleting=deleting)
@@ -690,10 +699,15 @@ class Operator:
 
         return kopf.ConnectionInfo(server=self.config.server, insecure=True)
 
-    def experiment_changed(self, namespace: str, name: str, **_: Any) -> None:
+    def experiment_changed(self, namespace: str, name: str, reason: Any = None,
+                           retry: int = 0, body: Any = None, **_: Any) -> None:
+        # A new object's first handler call: kopf's copy is the object as created (a read
+        # would give the same; see `reconcile_experiment`).
+        seen = copy.deepcopy(dict(body)) if reason == "create" and not retry and body else None
+
         def work() -> None:
             with self.lock(namespace, name):
-                self._guarded(namespace, name)
+                self._guarded(namespace, name, seen)
         self._timed("experiment", work)
 
     async def experiment_tick(self, namespace: str, name: str, status: Any, meta: Any = None,
@@ -748,7 +762,7 @@ class Operator:
         except RuntimeError:  # the executor is shut down: the operator is stopping
             self._queued.discard(what)
 
-    def _guarded(self, namespace: str, name: str) -> Decision | None:
+    def _guarded(self, namespace: str, name: str, seen: dict | None = None) -> Decision | None:
         """One pass, with its failure kept to this experiment and told on it.
 
         A Lab that is missing or invalid: try again later. A known failure (a SpecError:
@@ -760,7 +774,7 @@ class Operator:
 
         key = (namespace, name)
         try:
-            decision = self.reconcile_experiment(namespace, name)
+            decision = self.reconcile_experiment(namespace, name, seen=seen)
         except LabUnusable as e:
             raise kopf.TemporaryError(f"{e}; the experiment waits until its Lab is fixed",
                                       delay=self.config.resync_seconds) from None
