@@ -473,3 +473,24 @@ def test_a_git_process_a_check_talks_to_that_died_is_started_again(repo):
     assert not c.refusal, c.message
     assert repo.candidate_source("e2") == second
     assert repo.candidate_source("e1") == first
+
+
+def test_a_check_applies_the_diff_when_the_temporary_directory_is_inside_a_repository(
+        repo, tmp_path, monkeypatch):
+    """The scratch copy lies in the temporary directory, which a user may keep inside a git
+    repository of their own: git must not find that repository, nor let its attributes or
+    config (line ends rewritten on checkout) change the candidate's bytes."""
+    import tempfile
+
+    outer = tmp_path / "outer"
+    (outer / "tmp").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q"], cwd=outer, check=True)
+    (outer / ".gitattributes").write_text("* text eol=crlf\n")
+    subprocess.run(["git", "config", "core.autocrlf", "true"], cwd=outer, check=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(outer / "tmp"))
+    changed = SURFACE.replace("0.02", "0.03")
+    c = repo.materialise("e1", spec(repo, udiff(SURFACE, changed)))
+    assert not c.refusal, c.message
+    blob = subprocess.run(["git", "cat-file", "blob", "autolab/exp/e1:bench/train.py"],
+                          cwd=repo.root, capture_output=True).stdout
+    assert blob == changed.encode()

@@ -224,7 +224,6 @@ class LabRepo:
                 if self._plumbing is not None:
                     self._plumbing.close()
                 self._plumbing = _Plumbing(self.root)
-                self._path_trees.clear()  # a new reader: read the trees again
             return self._plumbing
 
     def close(self) -> None:
@@ -239,15 +238,17 @@ class LabRepo:
         tree per directory on the surface's path; the parent's trees are read once)."""
         git = self.plumbing()
         parts = self.lab.surface.encode("utf-8").split(b"/")
-        levels = self._path_trees.get(commit)
+        key = f"{commit}:{self.lab.surface}"
+        levels = self._path_trees.get(key)
         if levels is None:
             levels, where = [], f"{commit}^{{tree}}"
             for depth in range(len(parts)):
                 levels.append(_tree_entries(git.read(where, b"tree"), len(commit) // 2))
                 where = f"{commit}:{b'/'.join(parts[:depth + 1]).decode('utf-8')}"
-            if len(self._path_trees) >= 16:
-                self._path_trees.pop(next(iter(self._path_trees)))
-            self._path_trees[commit] = levels
+            with self._plumbing_lock:  # checks in several threads share the repo
+                while len(self._path_trees) >= 16:  # a few masters' worth
+                    self._path_trees.pop(next(iter(self._path_trees)))
+                self._path_trees[key] = levels
         oid = blob
         for depth in reversed(range(len(parts))):
             entries = [(mode, name, oid if name == parts[depth] else old)
