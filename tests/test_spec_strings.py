@@ -359,7 +359,7 @@ def test_operator_turns_a_known_failure_into_a_permanent_error_told_once(monkeyp
     events: list = []
     monkeypatch.setattr(op, "_event", lambda o, e, fact=None: events.append(e) or True)
 
-    def fails(namespace, name):
+    def fails(namespace, name, **_):
         raise SpecError("backend 'hf' needs a token; set HF_TOKEN")
     monkeypatch.setattr(op, "reconcile_experiment", fails)
     for _ in range(2):
