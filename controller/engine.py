@@ -445,7 +445,7 @@ class Engine:
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
                       worktree=self._leftovers(name, st), near_duplicates=near,
-                      **self._noise_world())
+                      confirm_tries=self._confirm_tries(name, st), **self._noise_world())
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -752,6 +752,20 @@ class Engine:
                 or not isinstance(doc.get("sigma"), (int, float)):
             return None
         return doc
+
+    def _confirm_tries(self, name: str, st: dict) -> int:
+        """Which confirm test against its master an experiment in confirm runs would be: one
+        more than the other experiments with a candidate's confirm run recorded against that
+        master (their tests were made, or are being made, before its own verdict). The
+        ledger is read only for an experiment in confirm runs."""
+        against = st.get("parentHash")
+        if not st.get("confirm") or not against:
+            return 1
+        others = {r.get("experiment_id") for r in self.ledger.rows()
+                  if r.get("status") == "confirm" and r.get("parent_hash") == against
+                  and r.get("candidate_hash") not in ("", against)
+                  and r.get("experiment_id") != name}
+        return 1 + len(others)
 
     def _noise_world(self) -> dict:
         """What the core reads of the lab's noise: sigma, its degrees of freedom, and the

@@ -94,3 +94,42 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Promoted", "Confirmed")
     assert lab.repo.master().experiment == "lr-03"
     assert lab.repo.master().val_bpb == 0.93  # the confirm runs' mean (seeds 1, 2), not 0.92
+
+
+def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkeypatch):
+    """A lab that confirms every improvement (`confirmRuns: 2`) against an agent that sends
+    variant after variant that changes nothing (another SEED) until confirm runs are lucky:
+    the k-th confirm test against one master is made at 2 * 0.025 / (k * (k + 1)), so what the
+    first test would pass (a 0.032 lead, 2.8 standard errors) the second does not, and the
+    tries together buy at most 0.05 of a false promotion, not 0.0125 each."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    root = tmp_path / "lab"
+    init_lab(root, profile="tiny", data="synthetic", budget=5)
+    doc = yaml.safe_load((root / LAB_FILE).read_text())
+    doc["spec"]["promotion"] = {"minDelta": "auto", "confirmRuns": 2}
+    (root / LAB_FILE).write_text(yaml.safe_dump(doc))
+
+    def draw(req) -> float:
+        src = req.candidate_source
+        if req.seed == 0 and ("SEED = 43 +" in src or "SEED = 44 +" in src):
+            return 0.97                                # a first run that beat the master
+        if "SEED = 44 +" in src:
+            return BY_SEED[req.seed] - 0.032           # and lucky confirm runs
+        return BY_SEED[req.seed]
+
+    lab = LocalLab(root)
+    lab.backends["local"] = InstantBackend(draw)
+    master = lab.repo.master().hash
+    verdicts = {}
+    for k in (3, 4):  # one after the other: the second is the second test against the master
+        lab.apply_file(spec_from_edit(lab, f"seed-{k}", "SEED = 42 +", f"SEED = 4{k} +"), "t")
+        s = run_until_done(lab)[f"seed-{k}"]
+        assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Rejected",
+                                                          "WithinNoise"), s["message"]
+        verdicts[k] = s["confirm"]["verdict"]
+    assert (verdicts[3]["tries"], verdicts[3]["alpha"]) == (1, 0.025)
+    assert (verdicts[4]["tries"], verdicts[4]["alpha"]) == (2, round(0.05 / 6, 6))
+    assert 0.031 < verdicts[4]["difference"] < 0.033
+    assert "t-test at 0.00833" in verdicts[4]["explain"]
+    assert lab.repo.master().hash == master
+    assert not any(r["promoted"] == "1" for r in lab.ledger.rows())

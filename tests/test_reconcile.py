@@ -388,9 +388,17 @@ def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master
                              against=0.97).reason == "DidNotBeatMaster"
 
 
+# Student's t, one-sided 97.5 % and 99.5 % quantiles, as statistics tables print them.
+T_TABLE = {(1, 0.025): 12.706, (2, 0.025): 4.303, (5, 0.025): 2.571, (10, 0.025): 2.228,
+           (30, 0.025): 2.042, (120, 0.025): 1.980, (5, 0.005): 4.032, (10, 0.005): 3.169,
+           (30, 0.005): 2.750}
+
+
 def test_the_confirm_test_pools_the_labs_noise_and_is_never_too_lenient():
     from controller.core.noise import confirm, t_crit
-    assert t_crit(11) == t_crit(10) > t_crit(12)  # between table rows: the stricter value
+    for (df, alpha), printed in T_TABLE.items():
+        assert abs(t_crit(df, alpha) - printed) < 0.0006, (df, alpha)  # tables round
+    assert t_crit(10) > t_crit(11) > t_crit(12) and t_crit(10, 0.001) > t_crit(10)
     # a difference of 1.5 standard errors is not enough; of 3 it is
     assert not confirm([0.99, 1.0], [1.0, 1.01], sigma=0.01, sigma_df=10).promote
     assert confirm([0.97, 0.96, 0.97], [1.0, 1.0, 0.99], sigma=0.01, sigma_df=10).promote

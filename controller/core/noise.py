@@ -22,10 +22,14 @@ promotes noise. This module holds the numbers of that judgement, pure:
   test on runs that did not pick the win makes that draw worthless. Asked for
   (`promotion.confirmRuns: N`), every improvement is confirmed, one inside the
   margin too: more sensitive, and more runs. 0 asks for none.
-- `confirm(candidate, master, noise)`: the test a confirmed win must pass: N
-  fresh runs of the candidate and N of the master, seeds the harness sets, and a
-  one-sided two-sample Student's t-test at level ALPHA that the candidate's
-  mean is lower. The variance is pooled from the fresh runs and, when the lab
+- `confirm(candidate, master, noise, alpha)`: the test a confirmed win must
+  pass: N fresh runs of the candidate and N of the master, seeds the harness
+  sets, and a one-sided two-sample Student's t-test at level `alpha` that the
+  candidate's mean is lower. The level is `confirm_alpha(tries)`: ALPHA for the
+  first test against a master, and less for each later one against the same
+  master (2 * ALPHA / (k * (k + 1)) for the k-th), so however many variants a
+  campaign sends through confirm runs against one master, noise gets at most
+  2 * ALPHA of false promotions out of all of them together, not ALPHA each. The variance is pooled from the fresh runs and, when the lab
   measured its noise, from those repeat runs too (their degrees of freedom
   count). The first run, which picked the win, is not part of the test, so
   its luck cannot carry the decision.
@@ -41,10 +45,6 @@ from dataclasses import dataclass
 MARGIN_Z = 3.5          # `minDelta: auto` = 3.5 sigma of a difference of two single runs
 NOISE_Z = 2.0           # |difference| <= 2 sigma of a two-run difference: no measurable effect
 ALPHA = 0.025           # one-sided level of the confirm test
-# Student's t, 97.5 % quantiles by degrees of freedom (the test without a measured sigma).
-T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-          9: 2.262, 10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086,
-          25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
 # Repeat runs of the master that measure sigma when a lab does not say (`promotion.noiseRuns`).
 # sigma from n runs is itself noisy, and an underestimate narrows the margin: a program that
 # changes nothing clears the `auto` margin in about one try in 40 with 3 runs, one in 190 with
@@ -94,12 +94,61 @@ def confirm_runs(min_delta: float | str, asked: int | None, gain: float | None,
     return asked
 
 
-def t_crit(df: int) -> float:
-    """The one-sided 97.5 % quantile of Student's t with `df` degrees of freedom (beyond 120,
-    the table's last value, 1.980, a little above the normal's 1.960)."""
+def confirm_alpha(tries: int) -> float:
+    """The level of the `tries`-th confirm test against one master (1: the first, ALPHA).
+    The levels sum to 2 * ALPHA over any number of tests."""
+    k = max(1, tries)
+    return 2 * ALPHA / (k * (k + 1))
+
+
+def t_crit(df: int, alpha: float = ALPHA) -> float:
+    """The one-sided (1 - alpha) quantile of Student's t with `df` degrees of freedom (2.571
+    for 5 at 0.025), found by bisection on the distribution's upper tail."""
     if df <= 0:
         return math.inf
-    return T_CRIT[max(k for k in T_CRIT if k <= df)]  # the next smaller df: never too lenient
+    lo, hi = 0.0, 1.0
+    while _t_upper_tail(hi, df) > alpha:
+        hi *= 2.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_upper_tail(mid, df) > alpha else (lo, mid)
+    return hi  # the upper end: never below the quantile
+
+
+def _t_upper_tail(t: float, df: int) -> float:
+    """P(T > t) for Student's t with `df` degrees of freedom, t >= 0."""
+    return 0.5 * _beta_regularised(df / 2.0, 0.5, df / (df + t * t))
+
+
+def _beta_regularised(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b): its continued fraction, evaluated
+    by the modified Lentz method, on the side of x where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _beta_regularised(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300  # keeps a vanishing denominator from dividing by zero
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(500):
+        m = i // 2
+        if i == 0:
+            term = 1.0
+        elif i % 2 == 0:
+            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + term * d
+        d = 1.0 / (tiny if abs(d) < tiny else d)
+        c = 1.0 + term / c
+        c = tiny if abs(c) < tiny else c
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
 
 
 @dataclass(frozen=True)
@@ -108,13 +157,14 @@ class Verdict:
     difference: float      # master mean - candidate mean (positive: the candidate is better)
     standard_error: float
     critical: float        # how many standard errors the difference must reach (Student's t)
+    alpha: float = ALPHA   # the test's level (see `confirm_alpha`)
 
     def explain(self) -> str:
         word = "passes" if self.promote else "fails"
         return (f"confirm runs: the candidate's mean is {self.difference:+.6f} better than the "
                 f"master's, {self.difference / self.standard_error if self.standard_error else 0:.2f}"
                 f" standard errors ({self.standard_error:.6f}; a one-sided t-test at "
-                f"{ALPHA:g} needs {self.critical:.2f}): it {word}")
+                f"{self.alpha:.3g} needs {self.critical:.2f}): it {word}")
 
 
 def within_noise(difference: float, sigma: float | None) -> bool:
@@ -122,11 +172,11 @@ def within_noise(difference: float, sigma: float | None) -> bool:
 
 
 def confirm(candidate: list[float], master: list[float], sigma: float | None = None,
-            sigma_df: int = 0) -> Verdict:
+            sigma_df: int = 0, alpha: float = ALPHA) -> Verdict:
     """The confirm test on fresh runs of both programs (see the module docstring).
 
     `sigma` and `sigma_df` are the lab's measured noise and its degrees of freedom (repeat
-    runs minus one); they are pooled with the fresh runs' own spread.
+    runs minus one); they are pooled with the fresh runs' own spread. `alpha` is the level.
     """
     d = mean(master) - mean(candidate)
     n, m = len(candidate), len(master)
@@ -138,6 +188,6 @@ def confirm(candidate: list[float], master: list[float], sigma: float | None = N
         df += sigma_df
     pooled = math.sqrt(ss / df) if df > 0 else math.inf
     se = pooled * math.sqrt(1 / n + 1 / m)
-    crit = t_crit(df)
+    crit = t_crit(df, alpha)
     promote = math.isfinite(se) and d > 0 and d > crit * se
-    return Verdict(promote, d, se, crit)
+    return Verdict(promote, d, se, crit, alpha)

@@ -38,8 +38,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.noise import (MAX_ATTEMPTS, confirm, confirm_runs, margin, mean,
-                                   within_noise)
+from controller.core.noise import (MAX_ATTEMPTS, confirm, confirm_alpha, confirm_runs, margin,
+                                   mean, within_noise)
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
@@ -129,6 +129,9 @@ class World:
     noise_df: int = 0           # its degrees of freedom (repeat runs - 1)
     reference: float | None = None  # the master's val_bpb averaged over its repeat runs, if any
     near_duplicates: tuple[str, ...] = ()  # judged experiments that made the same move
+    # Which confirm test against the current master this one would be (1: the first): other
+    # experiments with a candidate's confirm run against it, plus one. It sets the test's level.
+    confirm_tries: int = 1
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -641,10 +644,12 @@ def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:
         s.phase(CONFIRMING, Reason.CONFIRM_RUNS,
                 f"Confirm runs: {done} of {2 * c['runs']} done.")
         return s.decision()
-    v = confirm(c["candidate"], c["master"], w.noise, w.noise_df)
+    v = confirm(c["candidate"], c["master"], w.noise, w.noise_df,
+                confirm_alpha(w.confirm_tries))
     c["verdict"] = {"promote": v.promote, "difference": round(v.difference, 6),
-                    "standardError": round(v.standard_error, 6), "critical": v.critical,
-                    "explain": v.explain()}
+                    "standardError": round(v.standard_error, 6),
+                    "critical": round(v.critical, 4), "alpha": round(v.alpha, 6),
+                    "tries": w.confirm_tries, "explain": v.explain()}
     return _decide_confirmed(s)
 
 
