@@ -181,7 +181,6 @@ STATEMENT_DUMPS_MAX = 4096  # top-level statements remembered (a few masters' wo
 _STATEMENT_DUMPS: OrderedDict[tuple, str] = OrderedDict()
 _STATEMENT_DUMPS_LOCK = threading.Lock()
 MODULES_KEPT = 4  # modules a later one is compared with (a master and the candidates of it)
-_DECLARATION_DUMPS = ("Global(", "ImportFrom(module='__future__'")  # see `_declares`
 
 
 def _statement_dump(node: ast.stmt, text: str) -> str:
@@ -284,7 +283,8 @@ class _Module:
         if not isinstance(tree, ast.Module) or tree.type_ignores:
             return None
         middle = cls.of(lines, tree.body, start)
-        declares = any(d.startswith(_DECLARATION_DUMPS) for _, _, ds in before + after for d in ds)
+        # Declares if the kept module or the middle does (the kept one's may have been in the
+        # lines replaced: then a later check compiles whole, which is only slower).
         return cls(lines, before + middle.units + [(f + shift, l + shift, ds)
                                                    for f, l, ds in after],
-                   declares or middle.declares), ref, tree
+                   ref.declares or middle.declares), ref, tree

@@ -29,10 +29,11 @@ promotes noise. This module holds the numbers of that judgement, pure:
   first test against a master, and less for each later one against the same
   master (2 * ALPHA / (k * (k + 1)) for the k-th), so however many variants a
   campaign sends through confirm runs against one master, noise gets at most
-  2 * ALPHA of false promotions out of all of them together, not ALPHA each. The variance is pooled from the fresh runs and, when the lab
-  measured its noise, from those repeat runs too (their degrees of freedom
-  count). The first run, which picked the win, is not part of the test, so
-  its luck cannot carry the decision.
+  2 * ALPHA of false promotions out of all of them together, not ALPHA each.
+  The variance is pooled from the fresh runs and, when the lab measured its
+  noise, from those repeat runs too (their degrees of freedom count). The
+  first run, which picked the win, is not part of the test, so its luck cannot
+  carry the decision.
 - `within_noise(difference, sigma)`: a difference inside NOISE_Z two-run
   standard deviations is "no measurable effect", not a regression.
 """

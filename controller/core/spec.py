@@ -138,8 +138,8 @@ LAB_SPEC = _obj(
                               "each (seeds the harness sets), that decide a win before it is "
                               "promoted, by a one-sided test at 0.025 (less for each later "
                               "test against one master: 0.05 / (k(k+1)) for the k-th): every "
-                              "improvement is "
-                              "confirmed, one inside minDelta too. Unsaid: with minDelta auto, "
+                              "improvement is confirmed, one inside minDelta too. Unsaid: with "
+                              "minDelta auto, "
                               f"a win beyond the margin is confirmed by {AUTO_CONFIRM_RUNS} of "
                               "each (one run is not a verdict); with a number, none. "
                               "0: one run decides.", minimum=0, maximum=20),

@@ -265,8 +265,6 @@ class LabRepo:
         offset = int(time.localtime(now).tm_gmtoff) // 60
         when = f"{int(now)} {'-' if offset < 0 else '+'}{abs(offset) // 60:02d}{abs(offset) % 60:02d}"
         who = f"{GIT_NAME} <{GIT_EMAIL}> {when}"
-        if tree.endswith("^{tree}"):
-            tree = self.plumbing().object(tree)[0]
         text = f"tree {tree}\nparent {parent}\nauthor {who}\ncommitter {who}\n\n"
         path = os.path.join(scratch, "commit")
         Path(path).write_bytes(text.encode("utf-8") + _stripspace(message).encode("utf-8"))
@@ -348,7 +346,8 @@ class LabRepo:
         (as `patch` would, with git's rules, and no config but its defaults), and the result
         goes into the object store through the long-lived `hash-object`, as it is."""
         surface = self.lab.surface
-        target = Path(scratch, "tree", surface)
+        tree = Path(scratch, "tree")  # the surface's path is the diff's, from here
+        target = tree / surface
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             target.write_bytes(self.plumbing().read(f"{parent['commit']}:{surface}", b"blob"))
@@ -359,7 +358,7 @@ class LabRepo:
         # Zero-context hunks are well-formed (`diff -U0`); git applies them only when told.
         zero = ["--unidiff-zero"] if diff.zero_context else []
         applied = subprocess.run(["git", "apply", "--whitespace=nowarn", *zero, "-"],
-                                 cwd=target.parents[len(Path(surface).parts) - 1],
+                                 cwd=tree,
                                  input=diff.text.encode("utf-8"), capture_output=True,
                                  env=_apply_env(scratch))
         if applied.returncode != 0:
@@ -379,8 +378,8 @@ class LabRepo:
         2.39 has no --merge-base, so the master's tree goes on a commit whose parent is
         `parent`, which makes `parent` the merge base whatever the history between them.
         """
-        ours = self._commit(f"{master}^{{tree}}", parent, "the current master, for a rebase",
-                            scratch)
+        master_tree = self.plumbing().object(f"{master}^{{tree}}")[0]
+        ours = self._commit(master_tree, parent, "the current master, for a rebase", scratch)
         merged = self.git_bytes("merge-tree", "--write-tree", ours, commit, check=False)
         tree = merged.stdout.decode("utf-8", "replace").split("\n", 1)[0].strip()
         if merged.returncode == 0:
