@@ -109,11 +109,12 @@ def test_a_run_started_ahead_is_taken_over_by_its_own_submit_and_stopped_by_any_
 
 
 def test_through_the_loop_the_next_run_starts_up_during_the_evaluation_and_trains_after_the_verdict(tmp_path):
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
+    # minDelta 1 bpb: no repeat runs of the master first (they are not what this is about),
+    # and no candidate can be promoted.
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3, min_delta=1.0)
     # Two candidates that cannot be promoted, so the second is measured on the master it was
     # checked on and its early start is kept: logits capped at +-0.5, and a head that never
-    # learns (its weights start near 0). A plain learning rate of 0 for the block matrices was
-    # not enough: in a 3-s budget on a busy machine it sometimes beat the baseline by noise.
+    # learns (its weights start near 0).
     for name, old, new in (("slow-a", "LOGIT_SOFTCAP = 15.0 ", "LOGIT_SOFTCAP = 0.5 "),
                            ("slow-b", "UNEMBEDDING_LR = 0.02", "UNEMBEDDING_LR = 0.0")):
         lab.apply_file(spec_from_edit(lab, name, old, new, f"{new.strip()} changes nothing."), "test")
@@ -227,7 +228,7 @@ def test_through_the_loop_a_model_too_slow_to_score_alone_is_the_candidates_fail
 
     harness = quick_eval_bench(tmp_path)
     monkeypatch.setattr(init, "bench_source_dir", lambda: harness)
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3)
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3, min_delta=1.0)
     lab.apply_file(spec_from_edit(lab, "slow-eval", SLOW_OLD, SLOW_NEW, "A deeper head helps.", priority=1), "test")
     lab.apply_file(spec_from_edit(lab, "plain", "UNEMBEDDING_LR = 0.02", "UNEMBEDDING_LR = 0.0",
                                   "A frozen head changes nothing."), "test")
