@@ -128,8 +128,8 @@ _ACTIVE = PROFILES[PROFILE]
 
 MAX_SEQ_LEN = _ACTIVE.max_seq_len
 TIME_BUDGET = float(os.environ.get("AUTOLAB_TIME_BUDGET") or _ACTIVE.time_budget)
-# The harness's seed (run.py --seed): 0 for a measured run, 1, 2, ... for repeat runs of one program
-# (the lab's noise and confirm runs). train.py adds it to its own SEED.
+# The harness's seed (run.py --seed): 0 for a measured run, 1, 2, ... for the lab's noise runs,
+# 1001, 1002, ... for its confirm runs. train.py adds it to its own SEED.
 HARNESS_SEED = int(os.environ.get("AUTOLAB_SEED") or 0)
 EVAL_TOKENS = _ACTIVE.eval_tokens
 EVAL_BATCH_SIZE = _ACTIVE.eval_batch_size

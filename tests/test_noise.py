@@ -14,7 +14,8 @@ from labkit import InstantBackend, run_until_done, spec_from_edit
 
 # What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
 # candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
-BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0, 4: 0.99, 5: 1.01}
+# Seeds 1001 and 1002 are the confirm runs' (controller.core.noise.CONFIRM_SEEDS).
+BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0, 4: 0.99, 5: 1.01, 1001: 0.99, 1002: 1.01}
 
 
 def measured(req) -> float:
@@ -93,7 +94,15 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     s = run_until_done(lab)["lr-03"]
     assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Promoted", "Confirmed")
     assert lab.repo.master().experiment == "lr-03"
-    assert lab.repo.master().val_bpb == 0.93  # the confirm runs' mean (seeds 1, 2), not 0.92
+    assert lab.repo.master().val_bpb == 0.93  # the confirm runs' mean, not 0.92
+    # Each confirm run pairs the candidate and the master on one harness seed that no noise run
+    # took: where a machine reproduces a seed, a master confirm run on a noise run's seed would
+    # repeat that run's value, and the test (which pools the noise runs) would count it twice.
+    seeds = {r: q.seed for r, q in backend.requests.items()}
+    noise_seeds = {q for r, q in seeds.items() if r.startswith("noise-")}
+    confirm_seeds = {r.rsplit("-", 1)[1]: q for r, q in seeds.items() if r.startswith("exp-lr-03-1-")}
+    assert noise_seeds == {1, 2, 3, 4, 5}
+    assert confirm_seeds == {"c1": 1001, "m1": 1001, "c2": 1002, "m2": 1002}
 
 
 def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkeypatch):

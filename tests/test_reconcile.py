@@ -293,8 +293,8 @@ def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
                              result={"metrics": {"val_bpb": vals[sub.args["run"][-2]]}})
         d = reconcile(dataclasses.replace(w, status=d.status, run=run))
         status = d.status
-    assert names == [("exp-e-1-c1", "candidate", 1), ("exp-e-1-m1", "master", 1),
-                     ("exp-e-1-c2", "candidate", 2), ("exp-e-1-m2", "master", 2)]
+    assert names == [("exp-e-1-c1", "candidate", 1001), ("exp-e-1-m1", "master", 1001),
+                     ("exp-e-1-c2", "candidate", 1002), ("exp-e-1-m2", "master", 1002)]
     (promote,) = [i for i in d.intents if i.kind == "promote"]
     assert promote.args["val_bpb"] == 0.97  # the fresh runs' mean, not the lucky first run
     from controller.core.reconcile import PromotionResult
@@ -310,7 +310,7 @@ def test_a_confirmation_inside_the_noise_is_not_promoted():
     lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
                 confirm={"runs": 2, "candidate": [0.995, 1.0], "master": [1.0]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=2))
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=1002))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
                         status=status, run=RunObservation("exp-e-1-m2", "succeeded",
                                                           result={"metrics": {"val_bpb": 1.0}})))
@@ -412,7 +412,7 @@ def test_a_confirmed_win_on_a_master_that_moved_gets_a_follow_up():
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
                 metrics={"val_bpb": 0.98},
                 confirm={"runs": 1, "candidate": [0.97], "master": []},
-                job=dict(JOB, name="exp-e-1-m1", program="master", seed=1))
+                job=dict(JOB, name="exp-e-1-m1", program="master", seed=1001))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, noise=0.001,
                         noise_df=10, status=status,
                         run=RunObservation("exp-e-1-m1", "succeeded",
@@ -452,7 +452,7 @@ def test_a_confirmed_difference_below_a_numeric_min_delta_is_not_promoted():
     lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
                 confirm={"runs": 2, "candidate": [0.97, 0.97], "master": [1.0]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=2))
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=1002))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.001,
                         noise_df=10, status=status,
                         run=RunObservation("exp-e-1-m2", "succeeded",

@@ -23,8 +23,8 @@ promotes noise. This module holds the numbers of that judgement, pure:
   (`promotion.confirmRuns: N`), every improvement is confirmed, one inside the
   margin too: more sensitive, and more runs. 0 asks for none.
 - `confirm(candidate, master, noise, alpha)`: the test a confirmed win must
-  pass: N fresh runs of the candidate and N of the master, seeds the harness
-  sets, and a one-sided two-sample Student's t-test at level `alpha` that the
+  pass: N fresh runs of the candidate and N of the master, on harness seeds of
+  their own (CONFIRM_SEEDS + 1.., paired, none a noise run's), and a one-sided two-sample Student's t-test at level `alpha` that the
   candidate's mean is lower. The level is `confirm_alpha(tries)`: ALPHA for the
   first test against a master, and less for each later one against the same
   master (2 * ALPHA / (k * (k + 1)) for the k-th), so however many variants a
@@ -56,6 +56,12 @@ NOISE_RUNS = 5
 # a true win at the margin (4.9 sigma) passes about nine times in ten and a lucky draw of a
 # no-op passes one time in 40.
 AUTO_CONFIRM_RUNS = 2
+# Harness seeds of confirm runs start here: the i-th confirm run of the candidate and of the
+# master both take CONFIRM_SEEDS + i (paired: the same data order for both programs), never a
+# seed the lab's noise runs took (1..noiseRuns, and the few that replace a failed one). A
+# machine that reproduces a seed closely (a GPU nearly does) would otherwise give the master's
+# confirm runs the values of its noise runs, and the test would count those draws twice.
+CONFIRM_SEEDS = 1000
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
 # Each follow-up answers a promotion, so the count is bounded anyway; the cap bounds what one
 # experiment spends while a lab keeps promoting others.

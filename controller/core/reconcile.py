@@ -38,8 +38,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.noise import (MAX_ATTEMPTS, confirm, confirm_alpha, confirm_runs, margin,
-                                   mean, within_noise)
+from controller.core.noise import (CONFIRM_SEEDS, MAX_ATTEMPTS, confirm, confirm_alpha,
+                                   confirm_runs, margin, mean, within_noise)
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
@@ -317,7 +317,8 @@ def next_run(name: str, st: dict) -> dict:
     """The run an active experiment submits next: its name, program and harness seed.
 
     The first run of attempt n is `exp-<name>-<n>` (seed 0, as the master's baseline). Confirm
-    runs alternate candidate and master, seeds 1..N: `exp-<name>-<n>-c1`, `-m1`, `-c2`, ...
+    runs alternate candidate and master, `exp-<name>-<n>-c1`, `-m1`, `-c2`, ..., the i-th of
+    each on harness seed CONFIRM_SEEDS + i (not a noise run's seed; see controller.core.noise).
     """
     main = run_name(name, int(st.get("attempt") or 1))
     c = st.get("confirm")
@@ -325,9 +326,9 @@ def next_run(name: str, st: dict) -> dict:
         return {"name": main, "program": "candidate", "seed": 0}
     if len(c["candidate"]) <= len(c["master"]):
         return {"name": f"{main}-c{len(c['candidate']) + 1}", "program": "candidate",
-                "seed": len(c["candidate"]) + 1}
+                "seed": CONFIRM_SEEDS + len(c["candidate"]) + 1}
     return {"name": f"{main}-m{len(c['master']) + 1}", "program": "master",
-            "seed": len(c["master"]) + 1}
+            "seed": CONFIRM_SEEDS + len(c["master"]) + 1}
 
 
 def _margin(w: World) -> float | None:

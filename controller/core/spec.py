@@ -135,7 +135,7 @@ LAB_SPEC = _obj(
                 "anyOf": [{"type": "number", "minimum": 0},
                           {"type": "string", "enum": ["auto"]}]},
             "confirmRuns": _i("Fresh runs of the candidate and of the master, this many of "
-                              "each (seeds the harness sets), that decide a win before it is "
+                              "each (harness seeds 1001.., none a noise run's), that decide a win before it is "
                               "promoted, by a one-sided test at 0.025 (less for each later "
                               "test against one master: 0.05 / (k(k+1)) for the k-th): every "
                               "improvement is confirmed, one inside minDelta too. Unsaid: with "
