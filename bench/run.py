@@ -1458,8 +1458,9 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     """Run one candidate end to end and return the result (also written to result_path).
 
     seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for the master's
-    noise runs, 1001, 1002, ... for confirm runs (the controller's choice; any int works). It moves the training data's start offset and is
-    passed as $AUTOLAB_SEED, which bench/train.py reads; the program stays the same.
+    noise runs, 1001, 1002, ... for confirm runs (the controller's choice; any int works). It
+    moves the training data's start offset and is passed as $AUTOLAB_SEED, which bench/train.py
+    reads; the program stays the same.
 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next

@@ -24,8 +24,9 @@ promotes noise. This module holds the numbers of that judgement, pure:
   margin too: more sensitive, and more runs. 0 asks for none.
 - `confirm(candidate, master, noise, alpha)`: the test a confirmed win must
   pass: N fresh runs of the candidate and N of the master, on harness seeds of
-  their own (CONFIRM_SEEDS + 1.., paired, none a noise run's), and a one-sided two-sample Student's t-test at level `alpha` that the
-  candidate's mean is lower. The level is `confirm_alpha(tries)`: ALPHA for the
+  their own (CONFIRM_SEEDS + 1.., paired, none a noise run's), and a one-sided
+  two-sample Student's t-test at level `alpha` that the candidate's mean is
+  lower. The level is `confirm_alpha(tries)`: ALPHA for the
   first test against a master, and less for each later one against the same
   master (2 * ALPHA / (k * (k + 1)) for the k-th), so however many variants a
   campaign sends through confirm runs against one master, noise gets at most

@@ -41,7 +41,7 @@ from typing import Any
 
 import jsonschema
 
-from controller.core.noise import AUTO_CONFIRM_RUNS, MARGIN_Z, NOISE_RUNS
+from controller.core.noise import AUTO_CONFIRM_RUNS, CONFIRM_SEEDS, MARGIN_Z, NOISE_RUNS
 
 GROUP = "autolab.dev"
 VERSION = "v1alpha1"
@@ -135,9 +135,10 @@ LAB_SPEC = _obj(
                 "anyOf": [{"type": "number", "minimum": 0},
                           {"type": "string", "enum": ["auto"]}]},
             "confirmRuns": _i("Fresh runs of the candidate and of the master, this many of "
-                              "each (harness seeds 1001.., none a noise run's), that decide a win before it is "
-                              "promoted, by a one-sided test at 0.025 (less for each later "
-                              "test against one master: 0.05 / (k(k+1)) for the k-th): every "
+                              f"each (harness seeds {CONFIRM_SEEDS + 1}.., none a noise run's), "
+                              "that decide a win before it is promoted, by a one-sided test "
+                              "at 0.025 (less for each later test against one master: "
+                              "0.05 / (k(k+1)) for the k-th): every "
                               "improvement is confirmed, one inside minDelta too. Unsaid: with "
                               "minDelta auto, "
                               f"a win beyond the margin is confirmed by {AUTO_CONFIRM_RUNS} of "
