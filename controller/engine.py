@@ -457,9 +457,15 @@ class Engine:
             # its worktree, is found again by its name, so a controller that dies meanwhile
             # checks it again; the checks' outcome and it are one write, where a batch of specs
             # made them two (a request, and a watch event for the operator, per Experiment).
+            # Nor is the status that submits a run stored before the submit: every backend
+            # adopts a run of the name it is given and never starts one twice, so a controller
+            # that dies after the submit decides the same run again (its name and seed come
+            # from the status as stored) and adopts it. The submitted run and its first
+            # observation are one write.
             kinds = decision.kinds()
             only_a_slot = bool(kinds) and schedule and all(k == "acquire-slot" for k in kinds)
             first_before_checks = not written and kinds == ["materialise"]
+            submitting = kinds == ["submit"]
             # The events of a transition go before the status that records it: a controller
             # that dies in between makes the same transition again and tells it again (a sink
             # that names each transition's events, as the operator's does, tells it once). A
@@ -471,7 +477,7 @@ class Engine:
             if decision.status != st:
                 st = decision.status
                 self.book.observe(name, st, priority)
-            if st != written and not only_a_slot and not first_before_checks:
+            if st != written and not only_a_slot and not first_before_checks and not submitting:
                 written = self._store(name, st, written)
             if not decision.intents:
                 break

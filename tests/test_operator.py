@@ -531,11 +531,13 @@ async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
 async def test_an_experiment_gets_its_job_with_few_requests(cluster):
     """Every request costs the operator and the API server CPU, and every write of the
     Experiment wakes kopf's watch: with a batch of specs that is what bounds apply -> Job.
-    Before its Job, a new Experiment's status is stored twice (the checks' outcome with the
-    submitted run, then the run queued: not Pending while it is checked, nor "waiting for a
-    slot" unless it waits), the Events of those transitions are posted (none for Pending,
-    which is not stored), the object kopf has just handed over is not read again, and
-    nothing just made is read back."""
+    A new Experiment's status is stored once: the checks' outcome, the submitted run and
+    the run queued in one write, made after the Job (not Pending while it is checked, nor
+    "waiting for a slot" unless it waits, nor the run submitted before its Job exists: the
+    backend adopts a Job of that name). The Events of those transitions are posted (none
+    for Pending, which is not stored), the object kopf has just handed over is not read
+    again, and nothing just made is read back. kopf itself writes the Experiment once, to
+    add the finalizer: its diff base is kept in memory, not in an annotation."""
     c = cluster
     seed_lab(c.root, 1.0)
     await c.apply("labs", LAB)
@@ -548,16 +550,21 @@ async def test_an_experiment_gets_its_job_with_few_requests(cluster):
         await asyncio.sleep(0.5)  # anything the pass still had to say
     calls = [r for r in c.em.requests[first:]
              if (r.headers.get("User-Agent") or "").startswith("autolab-operator")]
+    kopfs = [r for r in c.em.requests[first:] if (r.headers.get("User-Agent") or "").startswith("kopf/")]
 
     def method(r: Any) -> str:
         return str(getattr(r.method, "value", r.method)).upper()
 
     statuses = [r.data["status"] for r in calls
                 if method(r) == "PATCH" and r.url.path.endswith("/experiments/few/status")]
-    assert [(s.get("phase"), s.get("reason")) for s in statuses] == [
-        ("Queued", "ChecksPassed"), (None, "RunQueued")]
-    scheduled = {cond["type"]: cond for cond in statuses[0]["conditions"]}["Scheduled"]
-    assert scheduled["reason"] == "Submitted", "never stored as waiting: a slot was free"
+    assert [(s.get("phase"), s.get("reason")) for s in statuses] == [("Queued", "RunQueued")]
+    conditions = {cond["type"]: cond for cond in statuses[0]["conditions"]}
+    assert conditions["Checked"]["reason"] == "ChecksPassed"
+    assert conditions["Scheduled"]["reason"] == "Submitted", "never stored as waiting: a slot was free"
+    assert statuses[0]["job"]["name"] == "exp-few-1" and statuses[0]["job"]["id"]
+    writes = [r.data for r in kopfs if method(r) == "PATCH" and "/experiments/few" in r.url.path]
+    assert len(writes) == 1 and "finalizers" in json.dumps(writes[0]), writes
+    assert not (c.get(EXP, "few")["metadata"].get("annotations") or {}), "no diff base on it"
     events = [r.data["reason"] for r in calls if method(r) == "POST"
               and r.url.path.endswith("/events") and r.data["involvedObject"]["name"] == "few"]
     assert events == ["ChecksPassed", "Submitted"]
