@@ -573,6 +573,35 @@ async def test_an_experiment_gets_its_job_with_few_requests(cluster):
                 or r[1].endswith("/experiments/few")], reads
 
 
+async def test_a_diff_that_escapes_past_the_annotations_limit_gets_its_job_and_one_pass(cluster):
+    """An API server holds an object's annotations to 256 KiB in all. kopf's default diff base
+    is a JSON copy of the spec in an annotation, where each non-ASCII character takes six
+    bytes (`\\u00e9`): a diff of 50,000 of them, well within the CRD's 128 Ki characters, made
+    kopf's write after the pass 422 Invalid, so kopf never marked the Experiment handled and
+    passed over it again at each of its events. The base is kept in the operator's memory: the
+    Experiment gets its Job, once, and one pass."""
+    c = cluster
+    seed_lab(c.root, 1.0)
+    await c.apply("labs", LAB)
+    async with operator(c, resync_seconds=30) as op:
+        await c.until("the Lab's status", lambda: (c.get(LABS, "default") or {}).get("status"))
+        wide = experiment("wide", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05  # " + "\u00e9" * 50_000,
+                          hypothesis="A wider comment trains the same.")
+        assert len(wide["spec"]["diff"]) < 128 * 1024
+        await c.apply("experiments", wide)
+        await c.until("its run's id on its status",
+                      lambda: ((c.get(EXP, "wide") or {}).get("status") or {}).get("job", {}).get("id"))
+        await asyncio.sleep(1.0)  # what kopf would do after the pass: its write, the next event
+        passes = [t for t in op.timings if t.handler == "experiment"]
+    refused = [r for r in c.em.requests if "/experiments/wide" in r.url.path
+               and str(getattr(r.method, "value", r.method)).upper() == "PATCH"
+               and not r.url.path.endswith("/status")
+               and "annotations" in json.dumps(r.data)]
+    assert c.get(JOBS, "exp-wide-1") is not None
+    assert len(passes) == 1, f"{len(passes)} passes over one new Experiment"
+    assert not refused, "kopf wrote a diff base onto the object"
+
+
 def test_a_burst_of_lab_changes_is_a_few_writes_off_the_callers_threads_the_last_the_latest(caplog):
     """Each phase change asks for the Lab's status to be mirrored. The pass that tells it goes
     on at once (its Job is not held up by the Lab's write); the changes told while the writer

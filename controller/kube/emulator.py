@@ -50,6 +50,8 @@ Kubernetes API server does:
   Experiment's immutable spec; a CRD with any other rule is refused when it
   is created, rather than accepted and left unchecked). A CRD's root
   `metadata` may restrict only `name` and `generateName`, as on a real server;
+- **annotations** of any object hold 256 KiB at most, keys and values
+  together (422 Invalid `metadata.annotations: Too long`);
 - **watches** start after the `resourceVersion` a client listed and lose
   nothing in between (a version older than the server's event log answers
   410 Gone, and the client lists again); a watch filtered by selectors sees
@@ -126,6 +128,9 @@ MERGE_KEYS = {"containers": "name", "initContainers": "name", "ephemeralContaine
               "volumes": "name", "env": "name", "imagePullSecrets": "name",
               "ports": "containerPort", "volumeMounts": "mountPath", "ownerReferences": "uid", "conditions": "type"}
 FIELD_VALIDATION = ("Ignore", "Warn", "Strict")
+# An object's annotations may hold this many bytes in all, keys and values (apimachinery's
+# TotalAnnotationSizeLimitB), on every kind: a write past it is 422 Invalid.
+ANNOTATIONS_MAX_BYTES = 256 * 1024
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 
 
@@ -707,6 +712,13 @@ class Emulator(kmock.KubernetesEmulator):
                 f'{call.info.kind} in version "{call.key[1]}" cannot be handled as a ' \
                 f"{call.info.kind}: "
             raise ApiError(400, "BadRequest", f"{prefix}strict decoding error: {words}")
+        annotations = meta.get("annotations") or {}
+        size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items()) \
+            if isinstance(annotations, dict) else 0
+        if size > ANNOTATIONS_MAX_BYTES:
+            raise self._invalid(call, obj, [_cause(
+                "FieldValueTooLong", "metadata.annotations",
+                f"Too long: may not be more than {ANNOTATIONS_MAX_BYTES} bytes")])
         if crd is None:
             return []
         _default(obj, crd.schema)
