@@ -90,7 +90,7 @@ from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, E
                                        PromotionResult, RunObservation, World, baseline_run_name,
                                        master_run_row, noise_run_name, reconcile,
                                        reconcile_baseline, run_name)
-from controller.core.slots import SlotBook
+from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
 from controller.lab.clock import utcnow
@@ -457,15 +457,18 @@ class Engine:
             # its worktree, is found again by its name, so a controller that dies meanwhile
             # checks it again; the checks' outcome and it are one write, where a batch of specs
             # made them two (a request, and a watch event for the operator, per Experiment).
-            # Nor is the status that submits a run stored before the submit: every backend
-            # adopts a run of the name it is given and never starts one twice, so a controller
-            # that dies after the submit decides the same run again (its name and seed come
-            # from the status as stored) and adopts it. The submitted run and its first
-            # observation are one write.
+            # Nor, where the backend schedules by itself (a cluster without gpuSlots: no slot
+            # of ours to hold), is the status that submits a run stored before the submit:
+            # every backend adopts a run of the name it is given and never starts one twice,
+            # so a controller that dies after the submit decides the same run again (its name
+            # and seed come from the status as stored) and adopts it. The submitted run and
+            # its first observation are one write. A run on one of our slots is stored first:
+            # the slot book is rebuilt from the statuses, and a slot whose run no status
+            # names would go to another run beside it.
             kinds = decision.kinds()
             only_a_slot = bool(kinds) and schedule and all(k == "acquire-slot" for k in kinds)
             first_before_checks = not written and kinds == ["materialise"]
-            submitting = kinds == ["submit"]
+            submitting = kinds == ["submit"] and decision.intents[0].args.get("slot") == UNLIMITED
             # The events of a transition go before the status that records it: a controller
             # that dies in between makes the same transition again and tells it again (a sink
             # that names each transition's events, as the operator's does, tells it once). A

@@ -528,19 +528,25 @@ async def test_duplicate_of_a_run_in_flight_spends_no_gpu(cluster):
     assert c.get(JOBS, "exp-again-1") is None
 
 
-async def test_an_experiment_gets_its_job_with_few_requests(cluster):
+@pytest.mark.parametrize("gpu_slots", [None, 2], ids=["cluster-queues", "gpuSlots"])
+async def test_an_experiment_gets_its_job_with_few_requests(cluster, gpu_slots):
     """Every request costs the operator and the API server CPU, and every write of the
     Experiment wakes kopf's watch: with a batch of specs that is what bounds apply -> Job.
-    A new Experiment's status is stored once: the checks' outcome, the submitted run and
-    the run queued in one write, made after the Job (not Pending while it is checked, nor
-    "waiting for a slot" unless it waits, nor the run submitted before its Job exists: the
-    backend adopts a Job of that name). The Events of those transitions are posted (none
+    Where the cluster queues the runs (no gpuSlots), a new Experiment's status is stored
+    once: the checks' outcome, the submitted run and the run queued in one write, made after
+    the Job (not Pending while it is checked, nor the run submitted before its Job exists:
+    the backend adopts a Job of that name). With gpuSlots the run's slot is stored before
+    its Job (the slot book is rebuilt from the statuses), then the run queued. Never
+    "waiting for a slot" unless it waits. The Events of those transitions are posted (none
     for Pending, which is not stored), the object kopf has just handed over is not read
     again, and nothing just made is read back. kopf itself writes the Experiment once, to
     add the finalizer: its diff base is kept in memory, not in an annotation."""
     c = cluster
     seed_lab(c.root, 1.0)
-    await c.apply("labs", LAB)
+    lab = json.loads(json.dumps(LAB))
+    if gpu_slots is None:
+        del lab["spec"]["capacity"]
+    await c.apply("labs", lab)
     async with operator(c, resync_seconds=30):
         await c.until("the Lab's status", lambda: (c.get(LABS, "default") or {}).get("status"))
         first = len(c.em.requests)
@@ -557,11 +563,14 @@ async def test_an_experiment_gets_its_job_with_few_requests(cluster):
 
     statuses = [r.data["status"] for r in calls
                 if method(r) == "PATCH" and r.url.path.endswith("/experiments/few/status")]
-    assert [(s.get("phase"), s.get("reason")) for s in statuses] == [("Queued", "RunQueued")]
+    assert [(s.get("phase"), s.get("reason")) for s in statuses] == (
+        [("Queued", "RunQueued")] if gpu_slots is None
+        else [("Queued", "ChecksPassed"), (None, "RunQueued")])
+    assert statuses[0]["job"]["slot"] == ("cluster" if gpu_slots is None else "slot-0")
     conditions = {cond["type"]: cond for cond in statuses[0]["conditions"]}
     assert conditions["Checked"]["reason"] == "ChecksPassed"
     assert conditions["Scheduled"]["reason"] == "Submitted", "never stored as waiting: a slot was free"
-    assert statuses[0]["job"]["name"] == "exp-few-1" and statuses[0]["job"]["id"]
+    assert statuses[0]["job"]["name"] == "exp-few-1" and statuses[-1]["job"]["id"]
     writes = [r.data for r in kopfs if method(r) == "PATCH" and "/experiments/few" in r.url.path]
     assert len(writes) == 1 and "finalizers" in json.dumps(writes[0]), writes
     assert not (c.get(EXP, "few")["metadata"].get("annotations") or {}), "no diff base on it"

@@ -292,6 +292,38 @@ async def test_an_operator_that_dies_between_the_event_and_the_status_tells_it_o
     assert len(events(c, "told", "Submitted")) == 1
 
 
+async def test_an_operator_that_dies_between_the_job_and_its_status_adopts_the_job(cluster):
+    """Where the cluster queues the runs (no gpuSlots), a new Experiment's first status is
+    written after its Job. An operator that dies in between leaves a Job and no status; the
+    next one decides the same run, finds the Job (409 on its create) and adopts it: one Job,
+    its uid on the status, each transition told once."""
+    c = cluster
+    seed_lab(c.root, 1.0)
+    lab = json.loads(json.dumps(LAB))
+    del lab["spec"]["capacity"]
+    await c.apply("labs", lab)
+    dying = status_write("adopt", "Queued")
+    c.em.faults.append(dying)  # the status after the Job never lands
+    async with operator(c):
+        await c.apply("experiments", experiment("adopt", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"))
+        await c.until("the status write tried", lambda: c.em.faulted, timeout=60)
+    job = c.get(JOBS, "exp-adopt-1")
+    assert job is not None and c.phase("adopt") is None  # the Job made, nothing recorded
+    c.em.faults.remove(dying)
+    async with operator(c):
+        st = await c.until("the run's id on its status", lambda: (
+            (c.get(EXP, "adopt") or {}).get("status") or {}).get("job", {}).get("id"), timeout=60)
+        await asyncio.sleep(0.5)
+    assert st == job["metadata"]["uid"], "the first Job adopted, not another made"
+    creates = [r for r in ours(c.em) if str(getattr(r.method, "value", r.method)).upper() == "POST"
+               and r.url.path.endswith("/jobs")]
+    assert len(creates) >= 2, "the second operator submitted again"
+    assert c.get(JOBS, "exp-adopt-1")["metadata"]["uid"] == job["metadata"]["uid"]
+    assert c.phase("adopt") == "Queued"
+    assert len(events(c, "adopt", "ChecksPassed")) == 1
+    assert len(events(c, "adopt", "Submitted")) == 1
+
+
 async def test_a_lab_event_told_by_every_retry_of_a_failing_pass_appears_once(cluster):
     """The baseline Job cannot be created for a while (and the operator is replaced meanwhile):
     every retry tells BaselineSubmitted before it submits; the Lab shows it once."""
