@@ -651,7 +651,7 @@ async def test_the_cluster_commands_do_what_the_readme_says(tmp_path):
                 await c.finish_pod(pod, result(0.95), 0)
                 # A win is confirmed first: two fresh Jobs of the candidate, two of the master.
                 await watch.until(r"^warmdown-03\s+Confirming\s")
-                for confirm in ("c1", "m1", "c2", "m2"):
+                for confirm in ("c1", "m1", "m2", "c2"):
                     name = f"{job}-{confirm}"
                     await c.until(f"the confirm Job {name}", lambda: c.get(JOBS, name), timeout=60)
                     pod = await c.start_pod(name)

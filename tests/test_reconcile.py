@@ -285,7 +285,7 @@ def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
     names = []
     status = d.status
     vals = {"c": 0.97, "m": 1.0}
-    for _ in range(4):  # c1, m1, c2, m2
+    for _ in range(4):  # c1, m1, m2, c2
         d = reconcile(dataclasses.replace(w, status=status, run=None, slot="0"))
         (sub,) = [i for i in d.intents if i.kind == "submit"]
         names.append((sub.args["run"], sub.args["program"], sub.args["seed"]))
@@ -294,7 +294,7 @@ def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
         d = reconcile(dataclasses.replace(w, status=d.status, run=run))
         status = d.status
     assert names == [("exp-e-1-c1", "candidate", 1001), ("exp-e-1-m1", "master", 1001),
-                     ("exp-e-1-c2", "candidate", 1002), ("exp-e-1-m2", "master", 1002)]
+                     ("exp-e-1-m2", "master", 1002), ("exp-e-1-c2", "candidate", 1002)]
     (promote,) = [i for i in d.intents if i.kind == "promote"]
     assert promote.args["val_bpb"] == 0.97  # the fresh runs' mean, not the lucky first run
     from controller.core.reconcile import PromotionResult

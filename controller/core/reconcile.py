@@ -317,18 +317,26 @@ def next_run(name: str, st: dict) -> dict:
     """The run an active experiment submits next: its name, program and harness seed.
 
     The first run of attempt n is `exp-<name>-<n>` (seed 0, as the master's baseline). Confirm
-    runs alternate candidate and master, `exp-<name>-<n>-c1`, `-m1`, `-c2`, ..., the i-th of
-    each on harness seed CONFIRM_SEEDS + i (not a noise run's seed; see controller.core.noise).
+    runs `exp-<name>-<n>-c1`, `-m1`, `-c2`, `-m2`, ... go in pairs, the i-th of each program on
+    harness seed CONFIRM_SEEDS + i (not a noise run's seed; see controller.core.noise), in the
+    order c1 m1 m2 c2 c3 m3 m4 c4: each pair reverses the one before (ABBA). Runs share a
+    machine one after another, and what a run leaves behind (a hot GPU, a page cache emptied
+    of the shards) and what drifts slowly (clocks, a neighbour's load) fall on the run after
+    it. The candidate's first run comes just before c1, so in this order as many master runs
+    as candidate runs follow a candidate run, and a drift adds as much to each program's
+    sum; c1 m1 c2 m2 put every master run after a candidate run, the later run of each pair
+    on the master, and a candidate that leaves the machine slower than it found it would
+    win by it.
     """
     main = run_name(name, int(st.get("attempt") or 1))
     c = st.get("confirm")
     if not c:
         return {"name": main, "program": "candidate", "seed": 0}
-    if len(c["candidate"]) <= len(c["master"]):
-        return {"name": f"{main}-c{len(c['candidate']) + 1}", "program": "candidate",
-                "seed": CONFIRM_SEEDS + len(c["candidate"]) + 1}
-    return {"name": f"{main}-m{len(c['master']) + 1}", "program": "master",
-            "seed": CONFIRM_SEEDS + len(c["master"]) + 1}
+    done = len(c["candidate"]) + len(c["master"])
+    candidate_first = (done // 2) % 2 == 0  # pairs 1, 3, 5, ...: candidate, then master
+    program = "candidate" if (done % 2 == 0) == candidate_first else "master"
+    i = len(c[program]) + 1
+    return {"name": f"{main}-{program[0]}{i}", "program": program, "seed": CONFIRM_SEEDS + i}
 
 
 def _margin(w: World) -> float | None:
