@@ -451,7 +451,9 @@ def generation_diffbase() -> Any:
     So the base is the generation, in memory. A restarted operator has none: every object is
     new to it, and the creation handler makes one pass over each, which is what the resume
     handler would have done. An object's base goes when its deletion has been handled (a Lab,
-    which has no deletion handler, leaves a few bytes behind). Built on kopf's documented extension point (a `kopf.DiffBaseStorage` subclass in
+    which has no deletion handler, leaves a few bytes behind). Objects an older operator
+    handled keep its annotations, which nothing reads any more. Built on kopf's documented
+    extension point (a `kopf.DiffBaseStorage` subclass in
     `settings.persistence.diffbase_storage`); kopf loads only when an operator starts.
     """
     import kopf
