@@ -370,6 +370,24 @@ def test_the_schema_is_enforced_with_the_messages_kubectl_prints(api, what):
     assert message in err
 
 
+def test_a_diff_past_the_annotations_limit_is_refused_by_apply_and_taken_by_create(api):
+    """Client-side `kubectl apply` keeps a copy of the whole object in the annotation
+    `kubectl.kubernetes.io/last-applied-configuration`, and a server holds an object's
+    annotations to 256 KiB. A diff of 100,000 three-byte characters is within the CRD's 128 Ki
+    characters but not within that: apply is refused as a real server refuses it, and
+    `kubectl create` (no copy) takes it, as the README says."""
+    api.run("apply", "-k", str(REPO / "crds"))
+    api.run("create", "namespace", NS)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "wide"
+    doc["spec"]["diff"] += "+# " + "\u20ac" * 100_000 + "\n"  # three bytes each
+    text = json.dumps(doc, ensure_ascii=False)
+    err = api.fails("apply", "-f", "-", stdin=text)
+    assert "metadata.annotations: Too long" in err, err
+    assert "created" in api.run("create", "-f", "-", stdin=text).stdout
+    assert len(api.json("get", "exp", "wide")["spec"]["diff"]) > 100_000
+
+
 def test_a_stale_resource_version_is_a_conflict(api):
     api.installed()
     exp = api.json("get", "exp", NAME)
