@@ -22,6 +22,17 @@ def measured(req) -> float:
     return BY_SEED[req.seed] - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
 
 
+def confirming_lab(tmp_path, confirm_runs: int):
+    """A tiny lab (`autolab init`) that confirms every improvement with `confirm_runs` runs of
+    each program (`minDelta: auto`)."""
+    root = tmp_path / "lab"
+    init_lab(root, profile="tiny", data="synthetic", budget=5)
+    doc = yaml.safe_load((root / LAB_FILE).read_text())
+    doc["spec"]["promotion"] = {"minDelta": "auto", "confirmRuns": confirm_runs}
+    (root / LAB_FILE).write_text(yaml.safe_dump(doc))
+    return LocalLab(root)
+
+
 @pytest.mark.parametrize("promotion,runs", [({"minDelta": "auto", "noiseRuns": 3}, 3),
                                             (None, 5)], ids=["auto", "unsaid"])
 def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, monkeypatch,
@@ -117,11 +128,7 @@ def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(
     came after a candidate run and four of five candidate runs did not: the candidate won by
     0.064, more than five standard errors.)"""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    root = tmp_path / "lab"
-    init_lab(root, profile="tiny", data="synthetic", budget=5)
-    doc = yaml.safe_load((root / LAB_FILE).read_text())
-    doc["spec"]["promotion"] = {"minDelta": "auto", "confirmRuns": 5}
-    (root / LAB_FILE).write_text(yaml.safe_dump(doc))
+    lab = confirming_lab(tmp_path, 5)
     last = {"hot": False}
 
     def draw(req) -> float:
@@ -132,7 +139,6 @@ def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(
             return 0.90 + slowed                     # its lucky first run
         return BY_SEED.get(req.seed, 1.0) + slowed
 
-    lab = LocalLab(root)
     backend = InstantBackend(draw)
     lab.backends["local"] = backend
     master = lab.repo.master().hash
@@ -152,11 +158,7 @@ def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkey
     first test would pass (a 0.032 lead, 2.8 standard errors) the second does not, and the
     tries together buy at most 0.05 of a false promotion, not 0.0125 each."""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
-    root = tmp_path / "lab"
-    init_lab(root, profile="tiny", data="synthetic", budget=5)
-    doc = yaml.safe_load((root / LAB_FILE).read_text())
-    doc["spec"]["promotion"] = {"minDelta": "auto", "confirmRuns": 2}
-    (root / LAB_FILE).write_text(yaml.safe_dump(doc))
+    lab = confirming_lab(tmp_path, 2)
 
     def draw(req) -> float:
         src = req.candidate_source
@@ -166,7 +168,6 @@ def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkey
             return BY_SEED[req.seed] - 0.032           # and lucky confirm runs
         return BY_SEED[req.seed]
 
-    lab = LocalLab(root)
     lab.backends["local"] = InstantBackend(draw)
     master = lab.repo.master().hash
     verdicts = {}
