@@ -404,8 +404,12 @@ class Watch:
 def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds: tuple[int, ...],
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
-                   reap: Any = None, export_dir: Path | None = None) -> Watch:
+                   confine: sandbox.Confinement | None = None, reap: Any = None,
+                   export_dir: Path | None = None) -> Watch:
     """Start argv, stream its output, enforce the deadlines; returns when it has exited.
+
+    confine, if given, loads the syscall filter in the child before it execs argv (a child that
+    cannot load it exits before argv runs: the candidate never runs unfiltered).
 
     reap(), if given, runs once the first process has exited and before the rest of its output
     is awaited: a process it left may hold the output pipe open (uid mode kills them there).
@@ -417,9 +421,19 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
     w.started = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
-                            preexec_fn=lambda: sandbox.set_limits(limits))
+
+    def child() -> None:
+        sandbox.set_limits(limits)
+        if confine is not None:
+            confine.apply()
+
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
+                                preexec_fn=child)
+    except subprocess.SubprocessError as e:  # the filter was refused: nothing of the candidate ran
+        raise Outcome("error", "SandboxUnavailable",
+                      f"could not start the candidate under its syscall filter ({e})") from e
 
     def pump() -> None:
         for raw in iter(proc.stdout.readline, b""):
@@ -940,6 +954,18 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
         # Toy tensors gain nothing from threads, and spinning OpenMP threads on a busy CPU
         # make each step tens of times slower: one thread keeps tiny runs steady.
         env.setdefault("OMP_NUM_THREADS", "1")
+    # The syscall filter (no network, no ptrace; see sandbox.py) in every mode that isolates:
+    # bwrap loads it from a pipe once its namespaces are made, the others between fork and exec.
+    filter_r, confine = None, None
+    try:
+        if sandboxed:
+            filter_r = sandbox.filter_fd()
+        elif mode in ("uid", "container"):
+            confine = sandbox.Confinement()
+        if mode == "container":  # the candidate has this process's uid: keep it out of here
+            sandbox.not_dumpable()
+    except (RuntimeError, OSError) as e:
+        raise Outcome("error", "SandboxUnavailable", str(e)) from e
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env[prepare.DATA_FD_ENV] = str(theirs.fileno())
     # Every measured run (seed 0) sees the same stream: differences are the program's, not the data
@@ -955,7 +981,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     info_r = info_w = None
     if sandboxed:
         info_r, info_w = os.pipe()
-        argv = sandbox.command(python, scratch=scratch, harness=BENCH_DIR, gpu=gpu)
+        argv = sandbox.command(python, scratch=scratch, harness=BENCH_DIR, gpu=gpu, seccomp_fd=filter_r)
         argv[1:1] = ["--info-fd", str(info_w)]
     elif mode == "uid":
         argv = _as_uid(uid, python)
@@ -966,13 +992,16 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
                 f"{budget:g}s, {how})")
     swept: list[tuple[int, list[int]]] = []
     try:
-        w = _run_sandboxed(argv, cwd=scratch, env=env, pass_fds=(theirs.fileno(),), server=server,
-                           budget=budget, startup=startup, export=export, log=log, limits=limits,
-                           info_fd=info_w, info_r=info_r,
+        w = _run_sandboxed(argv, cwd=scratch, env=env,
+                           pass_fds=(theirs.fileno(),) + ((filter_r,) if filter_r is not None else ()),
+                           server=server, budget=budget, startup=startup, export=export, log=log,
+                           limits=limits, confine=confine, info_fd=info_w, info_r=info_r,
                            reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
                            export_dir=scratch / "export")
     finally:
         theirs.close()
+        if filter_r is not None:
+            os.close(filter_r)
     if info_r is not None:
         os.close(info_r)
     ours.close()

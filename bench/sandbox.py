@@ -23,6 +23,14 @@ sandbox Flatpak uses, with:
   size, open files, no core dumps, and address space on CPU-only runs (CUDA
   reserves far more address space than it uses, so GPU runs rely on the
   machine's or the container's memory limit instead).
+* a syscall filter (seccomp, inherited through exec and never removable):
+  no socket but a Unix one, so no network even where the sandbox shares one
+  (uid mode in a Hugging Face job, the train container of a Kubernetes Pod,
+  which has the Pod's network); no ptrace, no reading or writing another
+  process's memory, no taking its file descriptors (`pidfd_getfd`), no
+  io_uring (which can open sockets past the filter). Each is refused with
+  EPERM. bubblewrap loads it (`--seccomp`) after it has made its namespaces;
+  the other modes load it between fork and exec (`confine`).
 
 The training data does not appear in the filesystem at all: the harness
 streams it over a socket (see run.py), which is also how it times the run.
@@ -33,7 +41,10 @@ argv. Nothing here imports torch.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import platform
 import resource
 import shutil
 import subprocess
@@ -58,6 +69,110 @@ class Limits:
     address_space: int | None = None  # bytes of virtual memory per process; CPU runs only
 
 
+# --- the syscall filter ----------------------------------------------------------------------
+#
+# A classic BPF program over `struct seccomp_data` (nr at byte 0, arch at 4, args[0] at 16, its
+# low 32 bits first on the little-endian machines below). Written out here rather than through
+# libseccomp: it is eight rules, and the harness stays free of native dependencies.
+SECCOMP_DATA_NR, SECCOMP_DATA_ARCH, SECCOMP_DATA_ARG0 = 0, 4, 16
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under other numbers
+# The machines the filter knows: audit arch, then the numbers of the calls it refuses.
+SYSCALLS = {
+    "x86_64": (0xC000003E, {"socket": 41, "ptrace": 101, "process_vm_readv": 310,
+                            "process_vm_writev": 311, "io_uring_setup": 425, "io_uring_enter": 426,
+                            "io_uring_register": 427, "pidfd_getfd": 438}),
+    "aarch64": (0xC00000B7, {"socket": 198, "ptrace": 117, "process_vm_readv": 270,
+                             "process_vm_writev": 271, "io_uring_setup": 425, "io_uring_enter": 426,
+                             "io_uring_register": 427, "pidfd_getfd": 438}),
+}
+
+
+def syscall_filter(machine: str | None = None) -> bytes:
+    """The candidate's seccomp program (an array of `struct sock_filter`, as bwrap's `--seccomp`
+    and PR_SET_SECCOMP take it): every call allowed but `socket` of another family than AF_UNIX
+    and the calls in SYSCALLS, which fail with EPERM. A call made through another ABI (32-bit
+    `int 0x80`, x32) is refused whole: the numbers below would not name it.
+
+    Raises RuntimeError on a machine it has no syscall numbers for: a candidate is not run
+    unfiltered."""
+    machine = machine or platform.machine()
+    if machine not in SYSCALLS:
+        raise RuntimeError(f"no syscall filter for {machine} (known: {', '.join(SYSCALLS)}); "
+                           "candidates cannot be kept off the network here")
+    arch, nrs = SYSCALLS[machine]
+    refused = [nr for name, nr in nrs.items() if name != "socket"]
+    # (code, jump-if-true, jump-if-false, k); jumps name a label, None is the next instruction
+    prog: list[tuple[int, str | None, str | None, int]] = [
+        (BPF_LD_W_ABS, None, None, SECCOMP_DATA_ARCH),
+        (BPF_JEQ_K, None, "deny", arch),
+        (BPF_LD_W_ABS, None, None, SECCOMP_DATA_NR),
+    ]
+    if machine == "x86_64":
+        prog.append((BPF_JGE_K, "deny", None, X32_SYSCALL_BIT))
+    prog.append((BPF_JEQ_K, "socket", None, nrs["socket"]))
+    prog += [(BPF_JEQ_K, "deny", None, nr) for nr in refused]
+    prog.append((BPF_RET_K, None, None, SECCOMP_RET_ALLOW))
+    labels = {"socket": len(prog)}
+    prog += [(BPF_LD_W_ABS, None, None, SECCOMP_DATA_ARG0),
+             (BPF_JEQ_K, None, "deny", 1),  # AF_UNIX
+             (BPF_RET_K, None, None, SECCOMP_RET_ALLOW)]
+    labels["deny"] = len(prog)
+    prog.append((BPF_RET_K, None, None, SECCOMP_RET_ERRNO | errno.EPERM))
+    out = b""
+    for i, (code, jt, jf, k) in enumerate(prog):
+        hop = [0 if j is None else labels[j] - i - 1 for j in (jt, jf)]
+        assert all(0 <= h < 256 for h in hop)  # classic BPF jumps only forward, at most 255
+        out += code.to_bytes(2, "little") + bytes(hop) + k.to_bytes(4, "little")
+    return out
+
+
+def filter_fd() -> int:
+    """A pipe's read end holding syscall_filter(), for bwrap's `--seccomp FD` (the caller passes
+    it to bwrap and closes it)."""
+    prog = syscall_filter()
+    r, w = os.pipe()
+    os.write(w, prog)  # a few hundred bytes: well inside a pipe's buffer
+    os.close(w)
+    return r
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class Confinement:
+    """The filter, ready to load between fork and exec (`apply`), when no bwrap loads it.
+
+    Everything that allocates or loads a library happens here in the parent, so the forked
+    child only makes two prctl calls."""
+
+    def __init__(self) -> None:
+        self._prog = ctypes.create_string_buffer(syscall_filter())
+        self._fprog = _SockFprog(len(self._prog.raw) // 8, ctypes.addressof(self._prog))
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def apply(self) -> None:
+        """no-new-privs (the kernel's condition for an unprivileged filter), then the filter.
+        Raises OSError if either is refused: the candidate then does not start."""
+        if self._prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS refused")
+        if self._prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self._fprog), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "seccomp filter refused")
+
+
+def not_dumpable() -> None:
+    """No /proc/<pid>/mem, fd or environ of this process, and no ptrace of it, for a process
+    without CAP_SYS_PTRACE (PR_SET_DUMPABLE 0), though it has this process's uid.
+
+    The harness of a Kubernetes train container shares its uid with the candidate and has the
+    Pod's network: writing into the harness's memory would be a way around the filter."""
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def bwrap() -> str | None:
     return shutil.which("bwrap")
 
@@ -68,11 +183,19 @@ def available() -> str | None:
     if not exe:
         return ("bubblewrap is not installed (Debian/Ubuntu: `apt-get install bubblewrap`); "
                 "candidates cannot be isolated from the lab")
-    probe = command(["/bin/true"], scratch=Path("/"), harness=None, gpu=False, probe=True)
     try:
-        done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, timeout=20)
+        fd = filter_fd()
+    except RuntimeError as e:
+        return str(e)
+    probe = command(["/bin/true"], scratch=Path("/"), harness=None, gpu=False, seccomp_fd=fd,
+                    probe=True)
+    try:
+        done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, timeout=20,
+                              pass_fds=(fd,))
     except (OSError, subprocess.SubprocessError) as e:
         return f"bubblewrap does not start here ({e})"
+    finally:
+        os.close(fd)
     if done.returncode != 0:
         why = done.stderr.decode(errors="replace").strip().splitlines()
         return (f"bubblewrap cannot create namespaces here ({why[-1] if why else done.returncode}); "
@@ -119,11 +242,13 @@ def _bind(args: list[str], source: Path, target: str, *, writable: bool = False)
 
 
 def command(argv: list[str], *, scratch: Path, harness: Path | None, gpu: bool,
-            probe: bool = False) -> list[str]:
-    """The bwrap argv that runs `argv` in the sandbox (cwd /scratch)."""
+            seccomp_fd: int, probe: bool = False) -> list[str]:
+    """The bwrap argv that runs `argv` in the sandbox (cwd /scratch), under the syscall filter
+    read from seccomp_fd (filter_fd(); pass it to bwrap)."""
     root = os.geteuid() == 0
     args = [bwrap() or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--seccomp", str(seccomp_fd)]
     if root:  # namespaces without a user namespace; keep only what setpriv needs to drop
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:

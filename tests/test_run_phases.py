@@ -387,3 +387,112 @@ def test_uid_mode_refuses_when_the_candidate_could_read_the_harness(bench, uid_l
     assert done.returncode == 4 and result["reason_code"] == "SandboxUnavailable"
     assert f"uid {uid_lab.uid} could read {BENCH}" in result["reason"]
     assert not ran.exists()
+
+
+# --- the syscall filter: no network, no ptrace, whatever the sandbox -----------------------------
+
+NETWORK_PROBE = '''\
+import ctypes, errno, json, os, socket
+PORT, NRS = {port}, {nrs!r}
+libc = ctypes.CDLL(None, use_errno=True)
+
+def syscall(nr, *args):
+    if libc.syscall(nr, *args) == -1:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+def tcp4():
+    with socket.create_connection(("127.0.0.1", PORT), timeout=3) as s:
+        s.sendall(b"HIT")
+
+def udp4():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(b"HIT", ("127.0.0.1", PORT))
+
+def tcp6():
+    socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+
+def netlink():
+    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close()
+
+def packet():
+    socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0).close()
+
+def io_uring():  # io_uring can open and connect sockets without the socket call
+    params = ctypes.create_string_buffer(120)
+    syscall(NRS["io_uring_setup"], 8, params)
+
+def ptrace_parent():  # PTRACE_ATTACH the harness, then let it go at once
+    syscall(NRS["ptrace"], 16, os.getppid(), 0, 0)
+    syscall(NRS["ptrace"], 17, os.getppid(), 0, 0)
+
+def unix():  # what the data stream needs stays allowed
+    a, b = socket.socketpair()
+    a.close(), b.close()
+
+got = {{}}
+for attempt in (tcp4, udp4, tcp6, netlink, packet, io_uring, ptrace_parent, unix):
+    try:
+        attempt()
+        got[attempt.__name__] = "ok"
+    except OSError as e:
+        got[attempt.__name__] = errno.errorcode.get(e.errno, str(e.errno))
+print("PROBE", json.dumps(got), flush=True)
+'''
+
+
+@pytest.mark.parametrize("sandbox", ["container", "uid", "bwrap"])
+def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench, staged, tmp_path,
+                                                                          request, sandbox):
+    """The train container of a Kubernetes Pod has the Pod's network, and uid mode (a Hugging
+    Face job) the job's: a candidate that could connect could download the public validation
+    split and train on it. A listener on this machine's loopback stands for the Internet. Under
+    the syscall filter every socket but a Unix one, io_uring and ptrace fail with EPERM, and the
+    listener hears nothing."""
+    if sandbox == "bwrap" and bench.sandbox.available():
+        pytest.skip(bench.sandbox.available())
+    if sandbox == "uid" and (os.geteuid() != 0 or not shutil.which("setpriv")):
+        pytest.skip("uid mode needs root and setpriv")
+    import platform
+    import socket
+    # the kernel's numbers (asm/unistd_64.h, asm-generic/unistd.h), not the harness's table
+    nrs = {"x86_64": {"io_uring_setup": 425, "ptrace": 101},
+           "aarch64": {"io_uring_setup": 425, "ptrace": 117}}[platform.machine()]
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(4)
+    tcp.setblocking(False)
+    port = tcp.getsockname()[1]
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", port))
+    udp.setblocking(False)
+    code = NETWORK_PROBE.format(port=port, nrs=nrs)
+    try:
+        if sandbox == "uid":
+            lab = request.getfixturevalue("uid_lab")
+            candidate = write(tmp_path / "candidate" / "train.py", code)
+            _, out = run_as_uid(bench, lab, tmp_path, candidate)
+        elif sandbox == "container":
+            candidate = write(tmp_path / "candidate" / "train.py", code)
+            out = run_py(BENCH, bench.cache, "--phase", "train", "--candidate", candidate,
+                         "--train-data", staged, "--export-dir", tmp_path / "export",
+                         "--budget", str(BUDGET), "--sandbox", "container").stdout
+        else:
+            candidate = write(tmp_path / "candidate" / "train.py", code)
+            out = run_py(BENCH, bench.cache, "--candidate", candidate, "--result",
+                         tmp_path / "r.json", "--source", "synthetic", "--budget", str(BUDGET),
+                         "--sandbox", "bwrap", "--termination-log", tmp_path / "term").stdout
+        heard = []
+        for sock, take in ((tcp, lambda s: s.accept()), (udp, lambda s: s.recv(16))):
+            try:
+                heard.append(take(sock))
+            except BlockingIOError:
+                pass
+    finally:
+        tcp.close()
+        udp.close()
+    [line] = [line for line in out.splitlines() if "PROBE " in line]
+    probe = json.loads(line.split("PROBE ", 1)[1])
+    assert heard == []
+    assert probe == {"tcp4": "EPERM", "udp4": "EPERM", "tcp6": "EPERM", "netlink": "EPERM",
+                     "packet": "EPERM", "io_uring": "EPERM", "ptrace_parent": "EPERM",
+                     "unix": "ok"}, probe
