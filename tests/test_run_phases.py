@@ -496,3 +496,33 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
     assert probe == {"tcp4": "EPERM", "udp4": "EPERM", "tcp6": "EPERM", "netlink": "EPERM",
                      "packet": "EPERM", "io_uring": "EPERM", "ptrace_parent": "EPERM",
                      "unix": "ok"}, probe
+
+
+@needs_root
+def test_a_container_mode_candidate_cannot_reach_into_its_harness(bench, staged, tmp_path):
+    """In a Kubernetes train container the candidate has its harness's uid, and the harness has
+    the Pod's network: its memory, environment and file descriptors would be a way around the
+    syscall filter. The harness makes itself non-dumpable first, so a process of its uid without
+    CAP_SYS_PTRACE can neither open /proc/<harness>/mem nor follow /proc/<harness>/fd/N. (Here
+    both are root without CAP_SYS_PTRACE, as a container's non-root user is. Its environment
+    holds nothing secret: the run's key is only in the evaluate container.)"""
+    candidate = write(tmp_path / "candidate" / "train.py", (
+        "import errno, json, os\n"
+        "harness, got = os.getppid(), {}\n"
+        "for what in ('mem', 'fd'):\n"
+        "    path = f'/proc/{harness}/{what}'\n"
+        "    try:\n"
+        "        os.readlink(path + '/1') if what == 'fd' else open(path, 'rb').close()\n"
+        "        got[what] = 'ok'\n"
+        "    except OSError as e:\n"
+        "        got[what] = errno.errorcode.get(e.errno, str(e.errno))\n"
+        "print('PROBE', json.dumps(got), flush=True)\n"))
+    done = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-all", sys.executable, "-I",
+         str(BENCH / "run.py"), "--phase", "train", "--candidate", str(candidate),
+         "--train-data", str(staged), "--export-dir", str(tmp_path / "export"),
+         "--budget", str(BUDGET), "--sandbox", "container"],
+        env=env_for(bench.cache), capture_output=True, text=True, timeout=300)
+    assert "PROBE " in done.stdout, done.stdout + done.stderr
+    [line] = [line for line in done.stdout.splitlines() if "PROBE " in line]
+    assert json.loads(line.split("PROBE ", 1)[1]) == {"mem": "EACCES", "fd": "EACCES"}
