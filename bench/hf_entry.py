@@ -5,7 +5,7 @@ the fixed harness (`prepare.py`, `run.py`, `evaluate.py`, ...) and the
 candidate `train.py` as a gzipped tarball in the job's environment; a few
 lines of bootstrap in the job's command unpack it and exec this file:
 
-    python3 hf_entry.py run --run NAME --profile P --source S [--budget S]
+    AUTOLAB_RUN=NAME python3 hf_entry.py run --profile P --source S [--budget S]
                             [--data-mount DIR] [--with REQUIREMENT ...]
     python3 hf_entry.py prepare --profile P --source S --data-mount DIR [--with ...]
 
@@ -328,7 +328,9 @@ def prepare_mode(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=["run", "prepare"])
-    p.add_argument("--run", default="", help="the run's name (signed into the result)")
+    p.add_argument("--run", default=os.environ.get("AUTOLAB_RUN", ""),
+                   help="the run's name, signed into the result (default: $AUTOLAB_RUN, which the "
+                        "controller sets: a command line is open to every uid in the container)")
     p.add_argument("--profile", default="default")
     p.add_argument("--source", default="hub")
     p.add_argument("--budget", type=float, default=None)

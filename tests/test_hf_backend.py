@@ -128,6 +128,10 @@ def test_experiment_becomes_one_job_with_its_flavor_labels_read_only_bucket_and_
     assert files["bench/prepare.py"] == (lab.root / "bench" / "prepare.py").read_bytes()  # pinned = lab's first
     assert {"bench/run.py", "bench/evaluate.py", "bench/hf_entry.py"} <= set(files)
     assert body["command"][:2] == ["python3", "-c"] and "--with" in body["command"]
+    # The run's name is in the environment, not on the command line, which every uid in the
+    # job's container can read (a confirm run's name would tell the candidate its place).
+    assert body["environment"]["AUTOLAB_RUN"] == "exp-lr-up-1"
+    assert not any("exp-lr-up" in part for part in body["command"])
     assert TOKEN not in json.dumps(body)
 
     st = lab.read_record("lr-up")["status"]

@@ -149,6 +149,8 @@ LOG_STALL_SECONDS = 30.0  # a log read with no line for this long is stalled
 LOG_RETRY_SECONDS = 5.0   # between two reads of one job's log
 LOG_READS = 3             # reads of an ended job's log before it has no result
 
+RUN_ENV = "AUTOLAB_RUN"  # the run's name, as bench/hf_entry.py reads it
+
 # Unpack the bundle into a fresh directory and exec the entry point there. Runs as
 # `python3 -c BOOTSTRAP ARGS...`, so sys.argv[1:] are the entry point's arguments.
 BOOTSTRAP = (
@@ -634,7 +636,10 @@ class HfBackend:
             raise BundleTooLarge(f"the job bundle (harness + candidate) is {len(bundle) // 1024} "
                                  f"KiB of base64, over the {BUNDLE_LIMIT // 1024} KiB limit of a job's "
                                  "environment; make train.py smaller")
-        command = ["python3", "-c", BOOTSTRAP, "run", "--run", req.run, "--profile", req.profile,
+        # The run's name goes in the environment, not the command: where the candidate runs as
+        # another uid in the job's container (uid mode), every process's command line is open
+        # to it, and a confirm run's name (`-c3`) would tell it its place among the confirm runs.
+        command = ["python3", "-c", BOOTSTRAP, "run", "--profile", req.profile,
                    "--source", req.data]
         if req.budget_seconds:
             command += ["--budget", str(req.budget_seconds)]
@@ -651,7 +656,7 @@ class HfBackend:
             command += ["--with", r]
         role = "baseline" if req.experiment == "baseline" else "run"
         return dict(image=settings.image, command=command,
-                    env={**bundle_env(bundle), "PYTHONUNBUFFERED": "1"},
+                    env={**bundle_env(bundle), "PYTHONUNBUFFERED": "1", RUN_ENV: req.run},
                     secrets={KEY_SECRET: key.decode(), **self.synthetic_secret(req.data)}, flavor=settings.flavor,
                     timeout=settings.timeout, name=req.run,
                     labels=self.labels(req.run, req.experiment, req.campaign, role),
