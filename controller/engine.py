@@ -417,11 +417,18 @@ class Engine:
         except Exception:
             self.book.forget(name)
 
+    def _tell(self, name: str, events: list[Event]) -> list[Event]:
+        """Tell `events` about Experiment `name`; what is left to tell (nothing)."""
+        for event in events:
+            self.events.experiment(name, event)
+        return []
+
     def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         name = obs.name
         spec, spec_doc, spec_error = self.spec_of(obs)
         priority = spec.priority if spec else 0
         st = written = obs.status
+        untold: list[Event] = []  # events of transitions whose status is not stored yet
         view = ExperimentStatus.parse(st)  # a status that is not one fails here, and says why
         run: RunObservation | None = None
         if view.job and (view.active or (deleting and not view.terminal)):
@@ -473,14 +480,16 @@ class Engine:
             # that dies in between makes the same transition again and tells it again (a sink
             # that names each transition's events, as the operator's does, tells it once). A
             # transition never stored is not told: Pending before the checks ("Accepted"),
-            # whose outcome is the first thing told.
+            # whose outcome is the first thing told. Events wait with the status they belong
+            # to (`untold`), so where the status waits for a submit the cluster queues, the
+            # run's Job comes first, a few requests sooner.
             if not first_before_checks:
-                for event in decision.events:
-                    self.events.experiment(name, event)
+                untold += decision.events
             if decision.status != st:
                 st = decision.status
                 self.book.observe(name, st, priority)
             if st != written and not only_a_slot and not first_before_checks and not submitting:
+                untold = self._tell(name, untold)
                 written = self._store(name, st, written)
             if not decision.intents:
                 break
@@ -503,6 +512,7 @@ class Engine:
                 elif intent.kind == "submit":
                     slot = None  # used once
                     run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
+                    untold = self._tell(name, untold)
                 elif intent.kind == "cleanup-run":
                     self.backend(a["backend"]).cleanup(a["run"])
                 elif intent.kind == "cancel":
@@ -531,6 +541,7 @@ class Engine:
                         self.backend(st["job"]["backend"]).cleanup(st["job"]["name"])
             if waiting:
                 break  # no slot yet: the status says so; a later pass asks again
+        self._tell(name, untold)
         if st != written:
             self._store(name, st, written)
         assert decision is not None

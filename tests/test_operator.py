@@ -577,6 +577,14 @@ async def test_an_experiment_gets_its_job_with_few_requests(cluster, gpu_slots):
     events = [r.data["reason"] for r in calls if method(r) == "POST"
               and r.url.path.endswith("/events") and r.data["involvedObject"]["name"] == "few"]
     assert events == ["ChecksPassed", "Submitted"]
+    # Where the cluster queues the run, its Job comes before the Events that tell the submit
+    # (they and the status wait for it); on the lab's slots the slot is stored, and told,
+    # first.
+    posted = ["Job" if r.url.path.endswith("/jobs") else r.data["reason"] for r in calls
+              if method(r) == "POST" and (r.url.path.endswith("/jobs") or (
+                  r.url.path.endswith("/events") and r.data["involvedObject"]["name"] == "few"))]
+    assert posted == (["Job", "ChecksPassed", "Submitted"] if gpu_slots is None
+                      else ["ChecksPassed", "Submitted", "Job"]), posted
     reads = [(method(r), r.url.path) for r in calls if method(r) == "GET"]
     assert not [r for r in reads if "/jobs" in r[1] or "/pods" in r[1]
                 or r[1].endswith("/experiments/few")], reads
