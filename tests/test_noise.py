@@ -4,22 +4,41 @@ used by `minDelta: auto` (the margin) and the confirm test."""
 from __future__ import annotations
 
 import json
+import re
+import types
 
 import pytest
 import yaml
 
 from controller.cli.lab import init_lab
+from controller.core import reconcile
+from controller.core.noise import CONFIRM_SEEDS
 from controller.local import LAB_FILE, LocalLab
 from labkit import InstantBackend, run_until_done, spec_from_edit
 
 # What the stand-in backend measures: the master at 1.000 +- 0.01 by harness seed, and a
 # candidate that sets MATRIX_LR to 0.03 at 0.98 (better by 2 sigma: inside the auto margin).
-# Seeds 1001 and 1002 are the confirm runs' (controller.core.noise.CONFIRM_SEEDS).
-BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0, 4: 0.99, 5: 1.01, 1001: 0.99, 1002: 1.01}
+# Confirm runs take seeds drawn at random (controller.core.noise.confirm_seeds), so the stand-in
+# measures them by their place, which their names say (`exp-<name>-<attempt>-c<i>`, `-m<i>`):
+# the i-th of each program at BY_PLACE[i], paired as the seed pairs them.
+BY_SEED = {0: 1.0, 1: 0.99, 2: 1.01, 3: 1.0, 4: 0.99, 5: 1.01}
+BY_PLACE = {1: 0.99, 2: 1.01}
+
+
+def place(req) -> int | None:
+    """The place i of a confirm run, from its name; None for any other run."""
+    m = re.search(r"-[cm](\d+)$", req.run)
+    return int(m[1]) if m else None
+
+
+def base(req, default: float | None = None) -> float:
+    """The master's value for this run: by place for a confirm run, by seed otherwise."""
+    table, key = (BY_PLACE, place(req)) if place(req) is not None else (BY_SEED, req.seed)
+    return table[key] if default is None else table.get(key, default)
 
 
 def measured(req) -> float:
-    return BY_SEED[req.seed] - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
+    return base(req) - (0.02 if "MATRIX_LR = 0.03" in req.candidate_source else 0.0)
 
 
 def confirming_lab(tmp_path, confirm_runs: int):
@@ -80,10 +99,10 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     def draw(req) -> float:
         src = req.candidate_source
         if "MATRIX_LR = 0.03" in src:
-            return BY_SEED[req.seed] - 0.07 - (0.01 if req.seed == 0 else 0.0)  # real, lucky too
+            return base(req) - 0.07 - (0.01 if req.seed == 0 else 0.0)  # real, lucky too
         if "SEED = 42 +" not in src and req.seed == 0:
             return 0.90                              # the lucky draw that picked the win
-        return BY_SEED[req.seed]                     # otherwise the master's own runs
+        return base(req)                             # otherwise the master's own runs
 
     lab = LocalLab(root)
     backend = InstantBackend(draw)
@@ -109,11 +128,19 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     # Each confirm run pairs the candidate and the master on one harness seed that no noise run
     # took: where a machine reproduces a seed, a master confirm run on a noise run's seed would
     # repeat that run's value, and the test (which pools the noise runs) would count it twice.
+    # And no seed says the run's place (CONFIRM_SEEDS + i did): the seeds are the ones drawn at
+    # random when the confirm runs started, kept in the status.
     seeds = {r: q.seed for r, q in backend.requests.items()}
     noise_seeds = {q for r, q in seeds.items() if r.startswith("noise-")}
     confirm_seeds = {r.rsplit("-", 1)[1]: q for r, q in seeds.items() if r.startswith("exp-lr-03-1-")}
     assert noise_seeds == {1, 2, 3, 4, 5}
-    assert confirm_seeds == {"c1": 1001, "m1": 1001, "c2": 1002, "m2": 1002}
+    assert sorted(confirm_seeds) == ["c1", "c2", "m1", "m2"]
+    assert confirm_seeds["c1"] == confirm_seeds["m1"] and confirm_seeds["c2"] == confirm_seeds["m2"]
+    assert confirm_seeds["c1"] != confirm_seeds["c2"]
+    assert [confirm_seeds["c1"], confirm_seeds["c2"]] == s["confirm"]["seeds"]
+    assert not {0, *noise_seeds} & set(confirm_seeds.values())
+    assert all(q > CONFIRM_SEEDS for q in confirm_seeds.values())
+    assert [confirm_seeds["c1"], confirm_seeds["c2"]] != [CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 2]
 
 
 def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(tmp_path,
@@ -137,7 +164,7 @@ def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(
         last["hot"] = hot
         if hot and req.seed == 0:
             return 0.90 + slowed                     # its lucky first run
-        return BY_SEED.get(req.seed, 1.0) + slowed
+        return base(req, 1.0) + slowed
 
     backend = InstantBackend(draw)
     lab.backends["local"] = backend
@@ -149,6 +176,56 @@ def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(
     assert [r.rsplit("-", 1)[1] for r in backend.requests if r.startswith("exp-hot-1-")] == [
         "c1", "m1", "m2", "c2", "c3", "m3", "m4", "c4", "c5", "m5"]
     assert s["confirm"]["candidate"] == s["confirm"]["master"]  # each pair on its own seed
+
+
+def test_a_candidate_that_reads_its_place_from_its_seed_wins_nothing(tmp_path, monkeypatch):
+    """The ABBA order cancels what a candidate leaves on the machine only while the candidate
+    cannot tell which run comes after it. Confirm seeds used to count up (the i-th run of each
+    program on 1000 + i), the seed reaches the candidate ($AUTOLAB_SEED), and the run after c_i
+    is the master's exactly when i is odd (c1 -> m1, c2 -> c3, c3 -> m3, ...). This candidate
+    (the master's program with another SEED, lucky on its first run) reads i from its seed and
+    leaves the machine slow (0.08 of the next run's val_bpb) only after an odd one: with seeds
+    1001.. it slowed m1, m3 and m5 and none of its own runs, and five confirm runs each promoted
+    it (3.2 standard errors where 2.2 were needed). The seeds are now drawn at random and kept
+    in the status, so what it reads is a coin toss: the slowdowns fall on its own runs as on the
+    master's, and the master stays. One pattern of five tosses in 32 would still slow m1, m3,
+    m5 alone, about as often as noise passes the test; the lab's draw is pinned here (two labs,
+    entropy 1 and 2) so the test is repeatable, and the two labs' seeds differ at every place:
+    they are not a function of it."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    seeds = {}
+    for entropy in (1, 2):
+        # The front end's draw (World.entropy), pinned for this lab.
+        monkeypatch.setattr(reconcile, "secrets",
+                            types.SimpleNamespace(randbits=lambda bits, e=entropy: e),
+                            raising=False)
+        lab = confirming_lab(tmp_path / f"entropy-{entropy}", 5)
+        last = {"slow": False}
+
+        def draw(req) -> float:
+            sly = "SEED = 47 +" in req.candidate_source
+            slowed = 0.08 if last["slow"] else 0.0  # the machine as the run before left it
+            i = req.seed - CONFIRM_SEEDS             # its place, if seeds still told it
+            last["slow"] = sly and i > 0 and i % 2 == 1  # the next run is the master's
+            if sly and req.seed == 0:
+                return 0.90 + slowed                 # its lucky first run
+            return base(req, 1.0) + slowed
+
+        backend = InstantBackend(draw)
+        lab.backends["local"] = backend
+        master = lab.repo.master().hash
+        lab.apply_file(spec_from_edit(lab, "sly", "SEED = 42 +", "SEED = 47 +"), "t")
+        s = run_until_done(lab)["sly"]
+        assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Rejected",
+                                                          "WithinNoise"), s["message"]
+        assert lab.repo.master().hash == master
+        assert not any(r["promoted"] == "1" for r in lab.ledger.rows())
+        got = [(backend.requests[f"exp-sly-1-c{i}"].seed, backend.requests[f"exp-sly-1-m{i}"].seed)
+               for i in range(1, 6)]
+        assert all(c == m for c, m in got)  # paired
+        seeds[entropy] = [c for c, _ in got]
+        assert seeds[entropy] == s["confirm"]["seeds"]
+    assert all(a != b for a, b in zip(seeds[1], seeds[2])), seeds
 
 
 def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkeypatch):
@@ -165,8 +242,8 @@ def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkey
         if req.seed == 0 and ("SEED = 43 +" in src or "SEED = 44 +" in src):
             return 0.97                                # a first run that beat the master
         if "SEED = 44 +" in src:
-            return BY_SEED[req.seed] - 0.032           # and lucky confirm runs
-        return BY_SEED[req.seed]
+            return base(req) - 0.032                   # and lucky confirm runs
+        return base(req)
 
     lab.backends["local"] = InstantBackend(draw)
     master = lab.repo.master().hash

@@ -253,6 +253,22 @@ async def test_the_candidate_trains_in_a_container_of_its_own_with_least_privile
     assert secret["metadata"]["labels"]["autolab.dev/run"] == "exp-e-1"
 
 
+async def test_no_pod_hostname_tells_a_candidate_which_run_it_is(env):
+    """A Pod's hostname is its name unless the Pod says otherwise, and the name is the run's
+    (`exp-e-1-c3-x7k2p`): a confirm run's candidate would read its place, and so whose run
+    comes next, from `hostname`. Every run's Pod has the same hostname, which names no run."""
+    b = env.backend()
+    runs = ("exp-e-1-c1", "exp-e-1-m1", "exp-e-1-c2")
+    for run in runs:
+        await call(b.submit, request(run))
+    hostnames = {env.em.get(JOBS, NS, run)["spec"]["template"]["spec"].get("hostname")
+                 for run in runs}
+    assert len(hostnames) == 1, hostnames
+    (hostname,) = hostnames
+    assert hostname and not any(part in hostname for part in ("exp-", "-c1", "-m1", "-c2"))
+    assert len(hostname) <= 63 and all(c.isalnum() or c == "-" for c in hostname)  # DNS-1123
+
+
 async def test_result_comes_from_the_termination_message(env):
     b = env.backend()
     await call(b.submit, request())

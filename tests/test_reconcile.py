@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from controller.core.noise import CONFIRM_SEEDS, confirm_seeds
 from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
-                                       beats, reconcile, reconcile_baseline)
+                                       beats, next_run, reconcile, reconcile_baseline)
 from controller.core.spec import ExperimentSpec, LabSpec
 
 NOW = "2026-11-29T10:00:00Z"
@@ -276,12 +277,17 @@ def test_a_queued_experiment_is_rebased_onto_the_current_master_before_it_starts
 
 def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
     lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=2)
-    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
+    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01, entropy=7,
               status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
               run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}}))
     d = reconcile(w)
     assert (d.status["phase"], d.status["reason"]) == ("Confirming", "ConfirmRuns")
     assert "promote" not in d.kinds() and not d.status.get("job")
+    # The confirm runs' seeds are drawn from the world's entropy once, when they start, and
+    # kept in the status: the same world gives the same seeds, another draw others.
+    seeds = d.status["confirm"]["seeds"]
+    assert seeds == confirm_seeds(7, 2) == reconcile(w).status["confirm"]["seeds"]
+    assert reconcile(dataclasses.replace(w, entropy=8)).status["confirm"]["seeds"] != seeds
     names = []
     status = d.status
     vals = {"c": 0.97, "m": 1.0}
@@ -293,8 +299,10 @@ def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
                              result={"metrics": {"val_bpb": vals[sub.args["run"][-2]]}})
         d = reconcile(dataclasses.replace(w, status=d.status, run=run))
         status = d.status
-    assert names == [("exp-e-1-c1", "candidate", 1001), ("exp-e-1-m1", "master", 1001),
-                     ("exp-e-1-m2", "master", 1002), ("exp-e-1-c2", "candidate", 1002)]
+    # the i-th run of each program on the i-th seed: paired, and no seed says the place
+    assert names == [("exp-e-1-c1", "candidate", seeds[0]), ("exp-e-1-m1", "master", seeds[0]),
+                     ("exp-e-1-m2", "master", seeds[1]), ("exp-e-1-c2", "candidate", seeds[1])]
+    assert seeds != [CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 2]
     (promote,) = [i for i in d.intents if i.kind == "promote"]
     assert promote.args["val_bpb"] == 0.97  # the fresh runs' mean, not the lucky first run
     from controller.core.reconcile import PromotionResult
@@ -306,11 +314,31 @@ def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
     assert row["run_id"] == "exp-e-1" and row["promoted"] == "1"
 
 
+def test_confirm_seeds_are_drawn_distinct_and_do_not_tell_a_run_its_place():
+    """A confirm run's seed reaches its candidate. Drawn from the world's entropy, the seeds
+    are distinct, above every noise run's, repeatable from one draw, and at one place differ
+    from draw to draw (odd and even alike: a seed no longer says whether the master runs
+    next). A status from an older controller, which drew none, keeps CONFIRM_SEEDS + i."""
+    for entropy in range(50):
+        seeds = confirm_seeds(entropy, 20)
+        assert len(set(seeds)) == 20
+        assert all(CONFIRM_SEEDS < x <= CONFIRM_SEEDS + 2**31 for x in seeds)
+    assert confirm_seeds(3, 5) == confirm_seeds(3, 5) != confirm_seeds(4, 5)
+    assert {confirm_seeds(e, 5)[2] % 2 for e in range(20)} == {0, 1}
+    older = st("Confirming", run="exp-e-1",
+               confirm={"runs": 2, "candidate": [0.97], "master": [1.0]})
+    assert next_run("e", older) == {"name": "exp-e-1-m2", "program": "master",
+                                    "seed": CONFIRM_SEEDS + 2}
+    older["confirm"]["seeds"] = [5_000_017, 6_000_011]
+    assert next_run("e", older)["seed"] == 6_000_011
+
+
 def test_a_confirmation_inside_the_noise_is_not_promoted():
     lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
-                confirm={"runs": 2, "candidate": [0.995, 1.0], "master": [1.0]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=1002))
+                confirm={"runs": 2, "candidate": [0.995, 1.0], "master": [1.0],
+                         "seeds": [870216655, 41337090]},
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=41337090))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
                         status=status, run=RunObservation("exp-e-1-m2", "succeeded",
                                                           result={"metrics": {"val_bpb": 1.0}})))
@@ -411,17 +439,21 @@ def test_a_confirmed_win_on_a_master_that_moved_gets_a_follow_up():
     lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=1)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
                 metrics={"val_bpb": 0.98},
-                confirm={"runs": 1, "candidate": [0.97], "master": []},
-                job=dict(JOB, name="exp-e-1-m1", program="master", seed=1001))
+                confirm={"runs": 1, "candidate": [0.97], "master": [], "seeds": [870216655]},
+                job=dict(JOB, name="exp-e-1-m1", program="master", seed=870216655))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, noise=0.001,
-                        noise_df=10, status=status,
+                        noise_df=10, status=status, entropy=7,
                         run=RunObservation("exp-e-1-m1", "succeeded",
                                            result={"metrics": {"val_bpb": 1.0}})))
     assert "promote" not in d.kinds()
     assert (d.status["phase"], d.status["reason"], d.status["attempt"]) == \
         ("Confirming", "FollowUp", 2)
-    # straight to fresh confirm runs of the rebased candidate and the new master
-    assert d.status["confirm"] == {"runs": 1, "candidate": [], "master": []}
+    # straight to fresh confirm runs of the rebased candidate and the new master, on seeds
+    # drawn afresh
+    assert d.status["confirm"] == {"runs": 1, "candidate": [], "master": [],
+                                   "seeds": confirm_seeds(7, 1)}
+    assert next_run("e", d.status) == {"name": "exp-e-2-c1", "program": "candidate",
+                                       "seed": confirm_seeds(7, 1)[0]}
     rows = [i.args["row"]["run_id"] for i in d.intents if i.kind == "record"]
     assert rows == ["exp-e-1-m1", "exp-e-1"]
 
@@ -451,8 +483,9 @@ def test_with_confirm_runs_even_a_large_single_run_win_is_confirmed_first():
 def test_a_confirmed_difference_below_a_numeric_min_delta_is_not_promoted():
     lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
-                confirm={"runs": 2, "candidate": [0.97, 0.97], "master": [1.0]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=1002))
+                confirm={"runs": 2, "candidate": [0.97, 0.97], "master": [1.0],
+                         "seeds": [870216655, 41337090]},
+                job=dict(JOB, name="exp-e-1-m2", program="master", seed=41337090))
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.001,
                         noise_df=10, status=status,
                         run=RunObservation("exp-e-1-m2", "succeeded",

@@ -44,7 +44,9 @@ runs bench/run.py in three phases, one container each, in order:
 Every container runs as the image's non-root user with no privilege
 escalation, all capabilities dropped, the RuntimeDefault seccomp profile and
 a read-only root filesystem; the Pod mounts no service-account token and
-shares no process namespace.
+shares no process namespace. Its hostname is one fixed label for every run
+(`POD_HOSTNAME`), not the Pod's name, which would tell a candidate which run
+it is.
 
 What the controller believes. The `run` container's termination message
 (`terminationMessagePolicy: File`), or failing that the harness's
@@ -116,6 +118,11 @@ DEFAULT_BACKOFF_LIMIT = 2
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GPU = "nvidia.com/gpu"
 RUN_UID = 10001  # bench/Dockerfile's user
+# Every run's Pod has this hostname. A Pod's hostname is otherwise its name, the Job's (the run's)
+# with a suffix: `exp-<name>-<attempt>-c3-x7k2p` tells a candidate (`hostname`, $HOSTNAME,
+# /etc/hostname, /etc/hosts) its place among the confirm runs, and with it whose run comes next
+# on its machine (controller.core.reconcile.next_run). One fixed DNS label says nothing.
+POD_HOSTNAME = "autolab-run"
 
 
 def surface_configmap_name(run: str) -> str:
@@ -259,6 +266,7 @@ class KubernetesBackend:
             cache = {"name": "cache", "persistentVolumeClaim": {"claimName": k["cachePVC"]}}
         pod: dict[str, Any] = {
             "restartPolicy": "Never",
+            "hostname": POD_HOSTNAME,  # not the run's name (see POD_HOSTNAME)
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "shareProcessNamespace": False,

@@ -24,7 +24,8 @@ promotes noise. This module holds the numbers of that judgement, pure:
   margin too: more sensitive, and more runs. 0 asks for none.
 - `confirm(candidate, master, noise, alpha)`: the test a confirmed win must
   pass: N fresh runs of the candidate and N of the master, on harness seeds of
-  their own (CONFIRM_SEEDS + 1.., paired, none a noise run's), and a one-sided
+  their own (`confirm_seeds`: drawn at random above CONFIRM_SEEDS, paired, none a
+  noise run's, none telling a run its place), and a one-sided
   two-sample Student's t-test at level `alpha` that the candidate's mean is
   lower. The level is `confirm_alpha(tries)`: ALPHA for the
   first test against a master, and less for each later one against the same
@@ -42,6 +43,7 @@ promotes noise. This module holds the numbers of that judgement, pure:
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 MARGIN_Z = 3.5          # `minDelta: auto` = 3.5 sigma of a difference of two single runs
@@ -57,16 +59,43 @@ NOISE_RUNS = 5
 # a true win at the margin (4.9 sigma) passes about nine times in ten and a lucky draw of a
 # no-op passes one time in 40.
 AUTO_CONFIRM_RUNS = 2
-# Harness seeds of confirm runs start here: the i-th confirm run of the candidate and of the
-# master both take CONFIRM_SEEDS + i (paired: the same data order for both programs), never a
-# seed the lab's noise runs took (1..noiseRuns, and the few that replace a failed one). A
-# machine that reproduces a seed closely (a GPU nearly does) would otherwise give the master's
-# confirm runs the values of its noise runs, and the test would count those draws twice.
+# Harness seeds of confirm runs lie above this: the i-th confirm run of the candidate and of
+# the master both take the i-th of the seeds `confirm_seeds` drew (paired: the same data order
+# for both programs), never a seed the lab's noise runs took (1..noiseRuns, and the few that
+# replace a failed one). A machine that reproduces a seed closely (a GPU nearly does) would
+# otherwise give the master's confirm runs the values of its noise runs, and the test would
+# count those draws twice. An experiment confirmed by an older controller has no drawn seeds
+# in its status; its i-th confirm runs take CONFIRM_SEEDS + i, as they always did.
 CONFIRM_SEEDS = 1000
+# How many seeds above CONFIRM_SEEDS a confirm run's seed is drawn from: enough that a run
+# that reads its seed learns nothing from it (two experiments share a seed at one place about
+# once in two billion), and below 2**32 - 43, so train.py's SEED = 42 + seed fits any RNG.
+CONFIRM_SEED_RANGE = 2**31
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
 # Each follow-up answers a promotion, so the count is bounded anyway; the cap bounds what one
 # experiment spends while a lab keeps promoting others.
 MAX_ATTEMPTS = 10
+
+
+def confirm_seeds(entropy: int, n: int) -> list[int]:
+    """The harness seeds of `n` pairs of confirm runs: n distinct seeds, drawn from `entropy`.
+
+    A run's seed reaches the candidate (as `$AUTOLAB_SEED`, and through the training data's
+    start offset), and confirm runs go in a fixed order (c1 m1 m2 c2 c3 m3 ...; see
+    `controller.core.reconcile.next_run`). Seeds that counted up (1001, 1002, ...) told a
+    candidate its place, and its place tells it whose run comes next on its machine: the
+    master's exactly after c1, c3, c5. A candidate that left the machine slow (a hot GPU, an
+    emptied page cache) only then slowed the master's runs and none of its own, and won by it.
+    Seeds drawn at random from a range far larger than any lab's confirm runs say nothing of
+    the place; the order stays fixed, and what a candidate leaves behind falls on both
+    programs alike in expectation, whatever it guesses.
+
+    Pure: the randomness is `entropy` (the `World` carries one draw of the front end's), so
+    the same entropy gives the same seeds. They are kept in the Experiment's status, which no
+    run can read, and drawn once, when the confirm runs start.
+    """
+    rng = random.Random(entropy)
+    return rng.sample(range(CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 1 + CONFIRM_SEED_RANGE), n)
 
 
 def mean(xs: list[float]) -> float:

@@ -4,7 +4,8 @@
 experiment (its spec, its last status, the master, the checks on its
 candidate, its run) and returns the status it should have now plus the
 intents that move the world one step towards the spec. It does no I/O, reads
-no clock (the time is part of the world) and draws no random numbers, so the
+no clock (the time is part of the world) and draws no random numbers (what it
+needs, the seeds of confirm runs, comes from the world's `entropy`), so the
 kopf operator and the local loop share it, and tables of worlds test it.
 
     Pending -> Invalid | Duplicate | Conflict
@@ -35,11 +36,12 @@ run that exists instead of starting a second one.
 from __future__ import annotations
 
 import copy
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from controller.core.noise import (CONFIRM_SEEDS, MAX_ATTEMPTS, confirm, confirm_alpha,
-                                   confirm_runs, margin, mean, within_noise)
+                                   confirm_runs, confirm_seeds, margin, mean, within_noise)
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
@@ -132,6 +134,10 @@ class World:
     # Which confirm test against the current master this one would be (1: the first): other
     # experiments with a candidate's confirm run against it, plus one. It sets the test's level.
     confirm_tries: int = 1
+    # Randomness for what must be secret from a candidate: the seeds of confirm runs (see
+    # `controller.core.noise.confirm_seeds`). It is drawn when the front end builds the World,
+    # so reconcile stays a function of its input and tests can pin it.
+    entropy: int = field(default_factory=lambda: secrets.randbits(64))
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -317,16 +323,22 @@ def next_run(name: str, st: dict) -> dict:
     """The run an active experiment submits next: its name, program and harness seed.
 
     The first run of attempt n is `exp-<name>-<n>` (seed 0, as the master's baseline). Confirm
-    runs `exp-<name>-<n>-c1`, `-m1`, `-c2`, `-m2`, ... go in pairs, the i-th of each program on
-    harness seed CONFIRM_SEEDS + i (not a noise run's seed; see controller.core.noise), in the
-    order c1 m1 m2 c2 c3 m3 m4 c4: each pair reverses the one before (ABBA). Runs share a
-    machine one after another, and what a run leaves behind (a hot GPU, a page cache emptied
-    of the shards) and what drifts slowly (clocks, a neighbour's load) fall on the run after
-    it. The candidate's first run comes just before c1, so in this order as many master runs
-    as candidate runs follow a candidate run, and a drift adds as much to each program's
-    sum; c1 m1 c2 m2 put every master run after a candidate run, the later run of each pair
-    on the master, and a candidate that leaves the machine slower than it found it would
-    win by it.
+    runs `exp-<name>-<n>-c1`, `-m1`, `-c2`, `-m2`, ... go in pairs, in the order c1 m1 m2 c2
+    c3 m3 m4 c4: each pair reverses the one before (ABBA). Runs share a machine one after
+    another, and what a run leaves behind (a hot GPU, a page cache emptied of the shards) and
+    what drifts slowly (clocks, a neighbour's load) fall on the run after it. The candidate's
+    first run comes just before c1, so in this order as many master runs as candidate runs
+    follow a candidate run, and a drift adds as much to each program's sum; c1 m1 c2 m2 put
+    every master run after a candidate run, the later run of each pair on the master, and a
+    candidate that leaves the machine slower than it found it would win by it.
+
+    The i-th confirm run of each program takes the i-th of the seeds drawn when the confirm
+    runs started (`st["confirm"]["seeds"]`; `controller.core.noise.confirm_seeds`): random,
+    none a noise run's, the candidate's and the master's the same (paired). A seed reaches the
+    candidate, so it must not say the run's place: in this fixed order the place says whose
+    run comes next, and a candidate that slowed the machine only before the master's runs
+    would win again. A status from an older controller has no seeds; its runs take
+    CONFIRM_SEEDS + i, as they did.
     """
     main = run_name(name, int(st.get("attempt") or 1))
     c = st.get("confirm")
@@ -336,7 +348,9 @@ def next_run(name: str, st: dict) -> dict:
     candidate_first = (done // 2) % 2 == 0  # pairs 1, 3, 5, ...: candidate, then master
     program = "candidate" if (done % 2 == 0) == candidate_first else "master"
     i = len(c[program]) + 1
-    return {"name": f"{main}-{program[0]}{i}", "program": program, "seed": CONFIRM_SEEDS + i}
+    seeds = c.get("seeds") or []
+    seed = seeds[i - 1] if i <= len(seeds) else CONFIRM_SEEDS + i
+    return {"name": f"{main}-{program[0]}{i}", "program": program, "seed": seed}
 
 
 def _margin(w: World) -> float | None:
@@ -605,7 +619,7 @@ def _follow_up(s: _Step, val: float, base: float | None, done: int | None = None
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
     if runs:
-        st["confirm"] = {"runs": runs, "candidate": [], "master": []}
+        st["confirm"] = _fresh_confirm(w, runs)
     s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
     s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
     return s.decision()
@@ -619,12 +633,19 @@ def _start_confirm(s: _Step, val: float, base: float, n: int) -> Decision:
     msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f} by {base - val:.6f}, {where} "
            f"the margin {need:g}: one run is not a verdict, so {n} fresh runs each of the "
            "candidate and the master decide.")
-    st["confirm"] = {"runs": n, "candidate": [], "master": []}
+    st["confirm"] = _fresh_confirm(w, n)
     st["job"] = None
     s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
     s.condition(Condition.CONFIRMING, True, Reason.CONFIRM_RUNS, msg)
     s.phase(CONFIRMING, Reason.CONFIRM_RUNS, msg)
     return s.decision()
+
+
+def _fresh_confirm(w: World, runs: int) -> dict:
+    """The status of confirm runs about to start: `runs` of each program, none done yet, and
+    their harness seeds, drawn now from the world's entropy and kept (see `next_run`)."""
+    return {"runs": runs, "candidate": [], "master": [],
+            "seeds": confirm_seeds(w.entropy, runs)}
 
 
 def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:

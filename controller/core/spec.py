@@ -135,7 +135,9 @@ LAB_SPEC = _obj(
                 "anyOf": [{"type": "number", "minimum": 0},
                           {"type": "string", "enum": ["auto"]}]},
             "confirmRuns": _i("Fresh runs of the candidate and of the master, this many of "
-                              f"each (harness seeds {CONFIRM_SEEDS + 1}.., none a noise run's), "
+                              "each (paired on harness seeds drawn at random above "
+                              f"{CONFIRM_SEEDS}, which do not tell a run its place; none a "
+                              "noise run's), "
                               "that decide a win before it is promoted, by a one-sided test "
                               "at 0.025 (less for each later test against one master: "
                               "0.05 / (k(k+1)) for the k-th): every "
