@@ -28,8 +28,10 @@ sandbox Flatpak uses, with:
   (uid mode in a Hugging Face job, the train container of a Kubernetes Pod,
   which has the Pod's network); no ptrace, no reading or writing another
   process's memory, no taking its file descriptors (`pidfd_getfd`), no
-  io_uring (which can open sockets past the filter). Each is refused with
-  EPERM. bubblewrap loads it (`--seccomp`) after it has made its namespaces;
+  io_uring (which can open sockets past the filter), no kernel keyring (a
+  uid's keyring outlives its processes: a key left there by one run would be
+  there for the next run of that uid, which could count its runs by it).
+  Each is refused with EPERM. bubblewrap loads it (`--seccomp`) after it has made its namespaces;
   the other modes load it between fork and exec (`confine`).
 
 The training data does not appear in the filesystem at all: the harness
@@ -83,10 +85,12 @@ X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under other num
 SYSCALLS = {
     "x86_64": (0xC000003E, {"socket": 41, "ptrace": 101, "process_vm_readv": 310,
                             "process_vm_writev": 311, "io_uring_setup": 425, "io_uring_enter": 426,
-                            "io_uring_register": 427, "pidfd_getfd": 438}),
+                            "io_uring_register": 427, "pidfd_getfd": 438, "add_key": 248,
+                            "request_key": 249, "keyctl": 250}),
     "aarch64": (0xC00000B7, {"socket": 198, "ptrace": 117, "process_vm_readv": 270,
                              "process_vm_writev": 271, "io_uring_setup": 425, "io_uring_enter": 426,
-                             "io_uring_register": 427, "pidfd_getfd": 438}),
+                             "io_uring_register": 427, "pidfd_getfd": 438, "add_key": 217,
+                             "request_key": 218, "keyctl": 219}),
 }
 
 

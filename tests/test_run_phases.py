@@ -421,6 +421,9 @@ def io_uring():  # io_uring can open and connect sockets without the socket call
     params = ctypes.create_string_buffer(120)
     syscall(NRS["io_uring_setup"], 8, params)
 
+def keyring():  # a key in the uid's keyring outlives the run: a note for the next one
+    syscall(NRS["add_key"], b"user", b"autolab-probe", b"1", 1, -4)  # KEY_SPEC_USER_KEYRING
+
 def ptrace_parent():  # PTRACE_ATTACH the harness, then let it go at once
     syscall(NRS["ptrace"], 16, os.getppid(), 0, 0)
     syscall(NRS["ptrace"], 17, os.getppid(), 0, 0)
@@ -430,7 +433,7 @@ def unix():  # what the data stream needs stays allowed
     a.close(), b.close()
 
 got = {{}}
-for attempt in (tcp4, udp4, tcp6, netlink, packet, io_uring, ptrace_parent, unix):
+for attempt in (tcp4, udp4, tcp6, netlink, packet, io_uring, keyring, ptrace_parent, unix):
     try:
         attempt()
         got[attempt.__name__] = "ok"
@@ -447,7 +450,9 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
     Face job) the job's: a candidate that could connect could download the public validation
     split and train on it. A listener on this machine's loopback stands for the Internet. Under
     the syscall filter every socket but a Unix one, io_uring and ptrace fail with EPERM, and the
-    listener hears nothing."""
+    listener hears nothing. So does adding a key to the uid's kernel keyring, which outlives
+    the run (and bubblewrap, run as root, gives no keyring of its own): the next run of that
+    uid could read it, count its runs by it and know which of its confirm runs it is."""
     if sandbox == "bwrap" and bench.sandbox.available():
         pytest.skip(bench.sandbox.available())
     if sandbox == "uid" and (os.geteuid() != 0 or not shutil.which("setpriv")):
@@ -455,8 +460,8 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
     import platform
     import socket
     # the kernel's numbers (asm/unistd_64.h, asm-generic/unistd.h), not the harness's table
-    nrs = {"x86_64": {"io_uring_setup": 425, "ptrace": 101},
-           "aarch64": {"io_uring_setup": 425, "ptrace": 117}}[platform.machine()]
+    nrs = {"x86_64": {"io_uring_setup": 425, "ptrace": 101, "add_key": 248},
+           "aarch64": {"io_uring_setup": 425, "ptrace": 117, "add_key": 217}}[platform.machine()]
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     tcp.bind(("127.0.0.1", 0))
     tcp.listen(4)
@@ -494,8 +499,8 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
     probe = json.loads(line.split("PROBE ", 1)[1])
     assert heard == []
     assert probe == {"tcp4": "EPERM", "udp4": "EPERM", "tcp6": "EPERM", "netlink": "EPERM",
-                     "packet": "EPERM", "io_uring": "EPERM", "ptrace_parent": "EPERM",
-                     "unix": "ok"}, probe
+                     "packet": "EPERM", "io_uring": "EPERM", "keyring": "EPERM",
+                     "ptrace_parent": "EPERM", "unix": "ok"}, probe
 
 
 @needs_root
