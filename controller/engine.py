@@ -417,11 +417,11 @@ class Engine:
         except Exception:
             self.book.forget(name)
 
-    def _tell(self, name: str, events: list[Event]) -> list[Event]:
-        """Tell `events` about Experiment `name`; what is left to tell (nothing)."""
+    def _tell(self, name: str, events: list[Event]) -> None:
+        """Tell `events` about Experiment `name`, and empty the list."""
         for event in events:
             self.events.experiment(name, event)
-        return []
+        events.clear()
 
     def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         name = obs.name
@@ -489,7 +489,7 @@ class Engine:
                 st = decision.status
                 self.book.observe(name, st, priority)
             if st != written and not only_a_slot and not first_before_checks and not submitting:
-                untold = self._tell(name, untold)
+                self._tell(name, untold)
                 written = self._store(name, st, written)
             if not decision.intents:
                 break
@@ -512,7 +512,7 @@ class Engine:
                 elif intent.kind == "submit":
                     slot = None  # used once
                     run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
-                    untold = self._tell(name, untold)
+                    self._tell(name, untold)
                 elif intent.kind == "cleanup-run":
                     self.backend(a["backend"]).cleanup(a["run"])
                 elif intent.kind == "cancel":

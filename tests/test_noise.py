@@ -143,6 +143,24 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     assert [confirm_seeds["c1"], confirm_seeds["c2"]] != [CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 2]
 
 
+def slowing_candidate(leaves_slow):
+    """A stand-in measurement: the master at `base`, and a candidate (the master's program with
+    SEED = 47 +, lucky on its first run: 0.90) that leaves the machine slow for the next run,
+    0.08 of its val_bpb, after each of its runs that `leaves_slow(request)` picks (a hot GPU,
+    a page cache emptied of the shards: nothing left behind that a check could find)."""
+    last = {"slow": False}
+
+    def draw(req) -> float:
+        ours = "SEED = 47 +" in req.candidate_source
+        slowed = 0.08 if last["slow"] else 0.0  # the machine as the run before left it
+        last["slow"] = ours and leaves_slow(req)
+        if ours and req.seed == 0:
+            return 0.90 + slowed
+        return base(req, 1.0) + slowed
+
+    return draw
+
+
 def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(tmp_path,
                                                                                 monkeypatch):
     """Runs share a machine one after another, and a candidate may leave it slower than it
@@ -156,17 +174,7 @@ def test_a_candidate_that_leaves_the_machine_slow_for_the_next_run_wins_nothing(
     0.064, more than five standard errors.)"""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     lab = confirming_lab(tmp_path, 5)
-    last = {"hot": False}
-
-    def draw(req) -> float:
-        hot = "SEED = 47 +" in req.candidate_source
-        slowed = 0.08 if last["hot"] else 0.0  # the machine as the run before left it
-        last["hot"] = hot
-        if hot and req.seed == 0:
-            return 0.90 + slowed                     # its lucky first run
-        return base(req, 1.0) + slowed
-
-    backend = InstantBackend(draw)
+    backend = InstantBackend(slowing_candidate(lambda req: True))
     lab.backends["local"] = backend
     master = lab.repo.master().hash
     lab.apply_file(spec_from_edit(lab, "hot", "SEED = 42 +", "SEED = 47 +"), "t")
@@ -200,18 +208,9 @@ def test_a_candidate_that_reads_its_place_from_its_seed_wins_nothing(tmp_path, m
                             types.SimpleNamespace(randbits=lambda bits, e=entropy: e),
                             raising=False)
         lab = confirming_lab(tmp_path / f"entropy-{entropy}", 5)
-        last = {"slow": False}
-
-        def draw(req) -> float:
-            sly = "SEED = 47 +" in req.candidate_source
-            slowed = 0.08 if last["slow"] else 0.0  # the machine as the run before left it
-            i = req.seed - CONFIRM_SEEDS             # its place, if seeds still told it
-            last["slow"] = sly and i > 0 and i % 2 == 1  # the next run is the master's
-            if sly and req.seed == 0:
-                return 0.90 + slowed                 # its lucky first run
-            return base(req, 1.0) + slowed
-
-        backend = InstantBackend(draw)
+        # Its place, if seeds still told it (1000 + i); after an odd i the master's run is next.
+        backend = InstantBackend(slowing_candidate(
+            lambda req: 0 < req.seed - CONFIRM_SEEDS and (req.seed - CONFIRM_SEEDS) % 2 == 1))
         lab.backends["local"] = backend
         master = lab.repo.master().hash
         lab.apply_file(spec_from_edit(lab, "sly", "SEED = 42 +", "SEED = 47 +"), "t")
