@@ -149,6 +149,13 @@ DENIED_ATEN_OPS = frozenset({
     "from_file", "save", "_print", "warn", "manual_seed", "seed", "initial_seed", "set_data",
     "record_stream", "wait", "backward", "_backward", "retain_grad", "dist_backward",
     "_cufft_clear_plan_cache", "_cufft_set_plan_cache_max_size", "set_grad_enabled",
+    # Uninitialised memory: what such a tensor holds is whatever the allocator last freed there, which
+    # can be what the program itself left at the end of its previous call (state across calls, out of
+    # the snapshot's sight: the probe's perturbed copy finds the scored batch there and repeats its
+    # cheating logits). A tensor program builds its tensors with zeros, full, arange, ... instead.
+    "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
+    "empty_quantized", "_empty_affine_quantized", "_empty_per_channel_affine_quantized",
+    "resize", "resize_", "resize_as", "resize_as_", "_resize_output", "_resize_output_",
 })
 STATE_NAME = re.compile(r"(?!__)[A-Za-z0-9_]+(\.(?!__)[A-Za-z0-9_]+)*")  # parameter/buffer/constant names
 
@@ -368,7 +375,8 @@ def _check_target_json(target: Any) -> None:
         raise refuse(f"a graph node has the target {target!r}")
     if m := ATEN_TARGET.fullmatch(target):
         if m.group(1) in DENIED_ATEN_OPS:
-            raise refuse(f"the graph calls {target}, which reads or writes files or process-wide state")
+            raise refuse(f"the graph calls {target}, which reads or writes files or process-wide state, or hands "
+                         "out uninitialised memory")
         return
     if target.removeprefix("torch.ops.higher_order.") in ALLOWED_HIGHER_ORDER_OPS:
         return
@@ -393,13 +401,17 @@ def rebuild_archive(members: dict[str, bytes]) -> io.BytesIO:
 # 2. The loaded program
 
 
-def load_program(members: dict[str, bytes]):
+def load_program(members: dict[str, bytes], candidate_had_gpu: bool = True):
+    """candidate_had_gpu False: the candidate trained with no GPU (run.py knows), so an archive
+    that names a CUDA device is its own forgery, not a fault of this machine's."""
     import torch
 
     devices = set()
     for config_name, _ in PAYLOADS.values():
         for entry in json.loads(members[config_name])["config"].values():
             devices.add(str((entry["tensor_meta"].get("device") or {}).get("type")))
+    if "cuda" in devices and not candidate_had_gpu:
+        raise refuse("its tensors claim a CUDA device, but the candidate ran without a GPU")
     if "cuda" in devices and not torch.cuda.is_available():
         raise Failure("harness", "the model was exported on a GPU but the evaluator has none", HARNESS_ERROR)
     try:
@@ -526,6 +538,22 @@ def snapshot(model) -> dict[str, Any]:
             if isinstance(value, torch.Tensor):
                 state[f"{prefix}.{name}" if prefix else name] = value.detach().clone()
     return state
+
+
+def check_state(model) -> None:
+    """Refuse tensors whose elements overlap in memory (an expanded, stride-0 view): their bytes in the
+    archive are few, but snapshot's copy of them is dense (2**40 elements from 4 bytes), and a copy that
+    cannot be made must not end the evaluation as the harness's error (a free re-run for the candidate)."""
+    import torch
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    for prefix, sub in model.named_modules(remove_duplicate=False):
+        for name, value in list(vars(sub).items()) + list(sub._parameters.items()) + list(sub._buffers.items()):
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and not (
+                    value.layout == torch.strided and is_non_overlapping_and_dense_or_false(value)):
+                raise refuse(f"its tensor {prefix + '.' if prefix else ''}{name} of shape {tuple(value.shape)} "
+                             f"(strides {value.stride() if value.layout == torch.strided else value.layout}) "
+                             "is not dense; export_model saves parameters and buffers as dense tensors")
 
 
 def check_unchanged(model, before: dict[str, Any]) -> None:
@@ -772,19 +800,20 @@ def get_ready(data_dir: Path, val_sha256: str, token_bytes_sha256: str,
 
 def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha256: str,
              seed: bytes | None = None, ready: tuple[Any, Any, dict[str, float]] | None = None,
-             tell_peak: Path | None = None) -> dict:
+             tell_peak: Path | None = None, candidate_had_gpu: bool = True) -> dict:
     tokens, token_bytes, early = ready or get_ready(data_dir, val_sha256, token_bytes_sha256)
     prepare = load_prepare()
     stages = Stages()
     try:  # whatever a malformed archive makes the checks or torch raise is the candidate's fault
         members = check_archive(read_archive(export_dir / "model.pt2"))
         stages.done("read_archive")
-        program = load_program(members)
+        program = load_program(members, candidate_had_gpu)
         del members
         stages.done("load")
         check_program(program, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
         stages.done("check_program")
         model = program.module()
+        check_state(model)
         stages.done("module")
     except Failure:
         raise
@@ -796,7 +825,10 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
     cuts_per_pass = -(-windows // batch) * max(1, batch - 1)  # one row of each batch stays whole
     probe = CausalityProbe(model, tokens, CAUSALITY_TOLERANCE.get(device.type, CAUSALITY_TOLERANCE["cuda"]),
                            seed or os.urandom(16), passes=-(-prepare.MAX_SEQ_LEN // cuts_per_pass))
-    before = snapshot(model)
+    try:  # check_state bounds the copies by the archive's bytes: failing here is the candidate's doing
+        before = snapshot(model)
+    except Exception as e:
+        raise refuse(f"its tensors cannot be copied: {type(e).__name__}: {e}") from e
     stages.done("snapshot")
     t0 = time.time()
     try:
@@ -813,7 +845,12 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
         raise Failure("candidate", f"running the exported model failed: {type(e).__name__}: {e}",
                       EVALUATION_FAILED) from e
     stages.done("score")
-    check_unchanged(model, before)
+    try:
+        check_unchanged(model, before)
+    except Failure:
+        raise
+    except Exception as e:
+        raise refuse(f"its tensors cannot be compared after scoring: {type(e).__name__}: {e}") from e
     stages.done("check_unchanged")
     if not math.isfinite(val_bpb):
         raise Failure("candidate", f"val_bpb is {val_bpb} (not finite)", EVALUATION_FAILED)
@@ -861,6 +898,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write FILE once the evaluation holds all the GPU memory it will use (two batches "
                              "scored and probed; the allocator keeps what it took): another process may then "
                              "use the GPU's free memory without starving this evaluation")
+    parser.add_argument("--candidate-had-no-gpu", action="store_true",
+                        help="the candidate trained without a GPU: an archive naming a CUDA device is refused "
+                             "(the candidate's fault), not reported as this machine's")
     parser.add_argument("--seed", type=bytes.fromhex, default=None,
                         help="hex seed of the causality check, to reproduce a report (default: os.urandom)")
     args = parser.parse_args(argv)
@@ -876,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.tell_peak is not None and not _uses_gpu():  # it will hold no GPU memory at all
                 args.tell_peak.write_text("the evaluation uses no GPU memory\n")
         result = evaluate(Path(export_dir), args.data_dir, args.val_sha256, args.token_bytes_sha256, args.seed,
-                          ready, args.tell_peak)
+                          ready, args.tell_peak, not args.candidate_had_no_gpu)
     except Failure as e:
         result = {"ok": False, "blame": e.blame, "reason": str(e), "reason_code": e.code}
     except Exception as e:  # a fault of the evaluator itself or of its environment

@@ -1113,7 +1113,12 @@ def evaluate_bpb(model: Callable, batch_size: int = EVAL_BATCH_SIZE, *, tokens: 
     once, so the sum is the one a consecutive order gives.
     bpb = sum of cross-entropy (nats) over target tokens / (ln 2 * their bytes),
     where targets that are special tokens (0 bytes, e.g. BOS) are left out of
-    both sums. Deterministic for the same weights on the same device.
+    both sums. Each prediction is scored over the text tokens alone (the
+    special tokens' logits, and any past the byte table, are set to -inf for
+    every model alike): a target that is never scored has no probability
+    worth keeping, so a model that gave them none would otherwise gain
+    -log(1 - p(special)) on every scored token for nothing it learned.
+    Deterministic for the same weights on the same device.
     probe(k, windows, x, logits), if given, sees every scored batch (the
     evaluator's causality check runs there).
     """
@@ -1133,6 +1138,7 @@ def evaluate_bpb(model: Callable, batch_size: int = EVAL_BATCH_SIZE, *, tokens: 
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.int64, device=device)
     batches = -(-windows // batch_size)
+    not_text = None  # (V,) True for the logits no prediction is scored over
     with torch.no_grad():
         for k in range(batches):
             rows = [k + j * batches for j in range(batch_size)]  # strided: no row continues another
@@ -1147,7 +1153,13 @@ def evaluate_bpb(model: Callable, batch_size: int = EVAL_BATCH_SIZE, *, tokens: 
                                  f"expected ({batch_size}, {seq_len}, vocab)")
             if probe is not None:
                 probe(k, rows, x, logits)
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+            vocab = logits.size(-1)
+            if not_text is None or not_text.numel() != vocab:
+                not_text = torch.ones(vocab, dtype=torch.bool, device=device)
+                known = min(vocab, table.numel())
+                not_text[:known] = table[:known] == 0
+            text_logits = torch.where(not_text, float("-inf"), logits.float())
+            ce = F.cross_entropy(text_logits.reshape(-1, vocab), y.reshape(-1), reduction="none")
             b = table[y]
             scored = (b > 0) & valid[:, None]
             nats += torch.where(scored, ce.view(batch_size, seq_len), 0.0).sum(dtype=torch.float64)

@@ -179,6 +179,7 @@ KILL_GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL
 SURVIVOR_GRACE_SECONDS = 10.0  # for processes left in a killed PID namespace to be gone (a loaded machine)
 RESULT_MARKER = "AUTOLAB_RESULT"  # the harness's last stdout line: marker + compact result JSON
 LOG_LIMIT_BYTES = 16 * 2**20  # candidate output kept in the log; the rest is counted, not written
+LINE_LIMIT_BYTES = 4000  # of one output line; the rest of a longer one is read in pieces and dropped
 CURVE_LIMIT_BYTES = 2**20  # the step curve read back from the scratch directory
 EXPORT_LIMIT_BYTES = 8 * 2**30  # model.pt2
 STATS_LIMIT_BYTES = 2**16  # stats.json
@@ -401,6 +402,18 @@ class Watch:
         self.left: list[int] = []  # its processes still alive after it ended (and after killing them)
 
 
+def _lines(stream, limit: int = LINE_LIMIT_BYTES):
+    """The lines of a pipe, each cut to `limit` bytes, in bounded memory: a line is read in pieces
+    of at most limit bytes (readline(limit)), and the pieces past its first are dropped. A plain
+    readline() holds a whole line in the harness's memory however long it is, so output without a
+    newline would grow the (root) harness without bound."""
+    cut = False
+    for raw in iter(lambda: stream.readline(limit), b""):
+        if not cut:
+            yield raw
+        cut = not raw.endswith(b"\n")
+
+
 def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds: tuple[int, ...],
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
@@ -436,8 +449,8 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
                       f"could not start the candidate under its syscall filter ({e})") from e
 
     def pump() -> None:
-        for raw in iter(proc.stdout.readline, b""):
-            text = raw[:4000].decode("utf-8", errors="replace").rstrip("\n")
+        for raw in _lines(proc.stdout):
+            text = raw.decode("utf-8", errors="replace").rstrip("\n")
             w.tail.append(text)
             log.candidate(text)
 
@@ -562,26 +575,33 @@ def _curve(raw: bytes | None) -> list[dict]:
     for text in (raw or b"").decode("utf-8", errors="replace").splitlines():
         try:
             d = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             continue
-        if isinstance(d, dict) and all(isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool)
-                                       and math.isfinite(d[k]) for k in ("step", "loss", "tokens_per_sec")):
-            lines.append({k: d[k] for k in ("step", "loss", "tokens_per_sec", "time") if k in d})
+        if isinstance(d, dict) and all(_number(d.get(k)) is not None for k in ("step", "loss", "tokens_per_sec")):
+            lines.append({k: d[k] for k in ("step", "loss", "tokens_per_sec", "time")
+                          if k in d and _number(d[k]) is not None})
     return lines
 
 
 def _json_object(raw: bytes | None) -> dict:
+    """A JSON object the candidate may have written, else {}: never raises (json.loads raises
+    RecursionError, not ValueError, for arrays nested thousands deep)."""
     try:
         obj = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return obj if isinstance(obj, dict) else {}
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """value if it is a finite number (an int too large for a float is not: math.isfinite
+    raises OverflowError on one, and the candidate writes the numbers this reads)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return value
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:
+        return None
 
 
 def _metrics(stats: dict[str, Any], evaluation: dict[str, Any], *, training: float, total: float,
@@ -1091,7 +1111,9 @@ class Evaluator:
     waits for its verdict, `stop` ends it either way.
     """
 
-    def __init__(self, eval_dir: Path, data, log: RunLog) -> None:
+    def __init__(self, eval_dir: Path, data, log: RunLog, candidate_had_gpu: bool | None = None) -> None:
+        # candidate_had_gpu False (phase all on a machine without a GPU for the candidate): an
+        # archive naming a CUDA device is the candidate's forgery, not this machine's fault.
         eval_env = _harness_env()
         if prepare.PROFILE == "tiny":
             eval_env.setdefault("OMP_NUM_THREADS", "1")
@@ -1107,14 +1129,15 @@ class Evaluator:
             [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", "-",
              "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
              "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out),
-             "--tell-peak", str(eval_dir / "peak")],
+             "--tell-peak", str(eval_dir / "peak"),
+             *(["--candidate-had-no-gpu"] if candidate_had_gpu is False else [])],
             cwd=eval_dir, env=eval_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
         self.reader = threading.Thread(target=self._pump, daemon=True, name="evaluator-output")
         self.reader.start()
 
     def _pump(self) -> None:
-        for raw in iter(self.proc.stdout.readline, b""):
+        for raw in _lines(self.proc.stdout):
             text = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.tail.append(text)
             self.log.candidate(text, "[evaluate] ")
@@ -1165,12 +1188,13 @@ def eval_limit(asked: float | None) -> float:
 
 def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: int | None,
              evaluator: Evaluator | None = None, handover: Path | None = None,
-             handback: Path | None = None, limit: float | None = None) -> dict:
+             handback: Path | None = None, limit: float | None = None,
+             candidate_had_gpu: bool | None = None) -> dict:
     """val_bpb of the export, from the evaluator (started now if not before); Outcome if there is none.
     An evaluation that runs out of time (`eval_limit(limit)`) beside the next run's start-up is
     measured again alone (see --handback)."""
     seconds = eval_limit(limit)
-    evaluator = evaluator or Evaluator(eval_dir, data, log)
+    evaluator = evaluator or Evaluator(eval_dir, data, log, candidate_had_gpu)
     log.harness(f"measuring val_bpb of the exported model in a separate evaluator process (at most {seconds:g}s)")
     eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds, handover)
     too_slow = f"evaluating the exported model took longer than {seconds:g}s"
@@ -1182,7 +1206,7 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         log.harness("the GPU is this run's alone again: measuring the exported model once more")
         alone = eval_dir / "alone"
         alone.mkdir()
-        evaluator = Evaluator(alone, data, log)
+        evaluator = Evaluator(alone, data, log, candidate_had_gpu)
         eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds)
         too_slow += " twice: beside the next run's start-up, then again with the GPU to itself"
     if eval_timed_out:
@@ -1266,7 +1290,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
         if _early_evaluator():
-            evaluator = Evaluator(eval_dir, data, log)
+            evaluator = Evaluator(eval_dir, data, log, sandbox.wants_gpu())
             log.harness("the evaluator gets ready (data, torch, device) while the candidate starts up")
         scratch = run_dir / "scratch"
         hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
@@ -1284,7 +1308,8 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
             shutil.rmtree(scratch, ignore_errors=True)
         measuring = time.monotonic()
         evaluation = _measure(eval_dir, export_dir, data, log=log, exit_code=w.rc, evaluator=evaluator,
-                              handover=handover, handback=handback, limit=eval_limit_seconds)
+                              handover=handover, handback=handback, limit=eval_limit_seconds,
+                              candidate_had_gpu=sandbox.wants_gpu())
         result["timing"]["evaluate_seconds"] = round(time.monotonic() - measuring, 2)
         _succeeded(result, stats, evaluation, training=training, total=time.monotonic() - began,
                    tokens=server.served)
@@ -1582,6 +1607,26 @@ def _staged_tokens(train_data: Path):
     return np.memmap(path, dtype=np.uint16, mode="r"), record
 
 
+def _withdraw_staged(train_data: Path) -> None:
+    """Unlink the staged training split once it is mapped (the mapping keeps it for the data
+    stream). In container mode the candidate runs as this process's uid: a train.bin it could
+    open would be training data outside the stream, read during its start-up allowance before
+    the harness's clock starts (and during the export allowance after it stops). Refuses to
+    run the candidate (SandboxUnavailable) when the file cannot be removed (a read-only
+    train-data volume)."""
+    try:
+        os.unlink(train_data / "train.bin")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise Outcome("error", "SandboxUnavailable",
+                      f"cannot remove the staged training split {train_data / 'train.bin'} ({e}); a "
+                      "candidate of this uid could read it outside the timed stream, so it is not run "
+                      "(mount the train-data volume writable in the train container)") from e
+    if os.path.lexists(train_data / "train.bin"):
+        raise Outcome("error", "SandboxUnavailable", f"{train_data / 'train.bin'} is still there")
+
+
 def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, train_data: str | os.PathLike, *,
                 budget: float | None = None, startup_allowance: float | None = None,
                 sandbox_request: str = "bwrap", log_path: str | os.PathLike | None = None,
@@ -1604,6 +1649,8 @@ def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, tra
         record["budget"] = budget_
         tokens, staged = _staged_tokens(Path(train_data))
         record["source"] = staged.get("source")
+        if mode == "container":  # the candidate has this process's uid: the file must go
+            _withdraw_staged(Path(train_data))
         export_dir.mkdir(parents=True, exist_ok=True)
         scratch = export_dir / "scratch"
         if scratch.exists():
@@ -1624,7 +1671,8 @@ def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, tra
         record["outcome"] = {k: outcome.get(k) for k in ("status", "reason_code", "reason", "exit_code")}
     record["elapsed_seconds"] = round(time.monotonic() - started, 2)
     try:
-        _write_atomic(export_dir / TRAIN_RECORD, json.dumps(record, indent=1) + "\n")
+        _end_the_container()
+        _write_record(export_dir / TRAIN_RECORD, json.dumps(record, indent=1) + "\n")
         record["written"] = True
     except OSError as e:
         log.harness(f"cannot write the train record {export_dir / TRAIN_RECORD}: {e}")
@@ -1633,6 +1681,54 @@ def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, tra
                                    else "the candidate trained and exported; evaluate next"))
     log.close()
     return record
+
+
+def _end_the_container() -> None:
+    """As its container's first process (a Kubernetes train container), kill every other
+    process in it before the record is written: a candidate's setsid child escapes the process
+    group, and until this process exits it could rewrite the record (its outcome) after it was
+    written. kill(-1) from a PID namespace's init reaches exactly the rest of that namespace."""
+    if os.getpid() != 1:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)
+    deadline = time.monotonic() + SURVIVOR_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        if not _others_alive():
+            return
+        time.sleep(0.05)
+
+
+def _others_alive() -> bool:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or entry == "1":
+            continue
+        try:
+            state = Path(f"/proc/{entry}/stat").read_text(errors="replace").rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
+
+
+def _write_record(path: Path, text: str) -> None:
+    """Write the train record into a directory the candidate can write (container mode): a temp
+    file of a random name made with O_EXCL|O_NOFOLLOW (no FIFO or link planted in its place can
+    take it), and whatever the candidate left at the record's own name moved aside first (a
+    directory there would make the replace fail, and the run a retryable harness error)."""
+    tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        os.rename(path, path.with_name(f".{path.name}.left-by-candidate.{os.urandom(8).hex()}"))
+    os.replace(tmp, path)
 
 
 def _train_record(export_dir: Path, mode: str) -> dict[str, Any]:

@@ -88,8 +88,8 @@ from controller.core.failures import (RECONCILE_ERROR, failing, failure_message,
                                       with_recovery)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
                                        PromotionResult, RunObservation, World, baseline_run_name,
-                                       master_run_row, noise_run_name, reconcile,
-                                       reconcile_baseline, run_name)
+                                       candidate_confirm_run, master_run_row, noise_run_name,
+                                       reconcile, reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -777,14 +777,23 @@ class Engine:
         """Which confirm test against its master an experiment in confirm runs would be: one
         more than the other experiments with a candidate's confirm run recorded against that
         master (their tests were made, or are being made, before its own verdict). The
-        ledger is read only for an experiment in confirm runs."""
+        ledger is read only for an experiment in confirm runs.
+
+        A confirm run recorded without a value (`error`, `failed`: a harness error, a lost
+        Job) counts as well: it ended its experiment with no test made, but the series was
+        drawn. A candidate that could end its own run so (it has trained and can judge its
+        luck by its loss before it exports) would otherwise drop each unlucky series and be
+        tested, at the first test's level, on the one lucky series it let finish. Counted
+        whatever ended it, a series it drops still spends its share of the 2 * ALPHA that all
+        tests against one master may spend."""
         against = st.get("parentHash")
         if not st.get("confirm") or not against:
             return 1
         others = {r.get("experiment_id") for r in self.ledger.rows()
-                  if r.get("status") == "confirm" and r.get("parent_hash") == against
+                  if r.get("parent_hash") == against
                   and r.get("candidate_hash") not in ("", against)
-                  and r.get("experiment_id") != name}
+                  and r.get("experiment_id") != name
+                  and candidate_confirm_run(r.get("run_id") or "", r.get("experiment_id") or "")}
         return 1 + len(others)
 
     def _noise_world(self) -> dict:

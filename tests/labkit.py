@@ -31,7 +31,8 @@ def run_until_done(lab, steps: int = 60) -> dict:
 
 
 class InstantBackend:
-    """A backend whose runs finish at once with `value(request)` as their val_bpb."""
+    """A backend whose runs finish at once with `value(request)` as their val_bpb (None: the
+    run ends as a harness error)."""
 
     name = "local"
 
@@ -50,7 +51,11 @@ class InstantBackend:
         req = self.requests.get(run)
         if req is None:
             return RunObservation(run, "missing")
-        result = {"metrics": {"val_bpb": self.value(req)}}
+        value = self.value(req)
+        if value is None:  # ended as a harness error (as a candidate that can void its run ends it)
+            return RunObservation(run, "error", message="the harness failed", result={
+                "status": "error", "reason_code": "HarnessError", "reason": "the harness failed"})
+        result = {"metrics": {"val_bpb": value}}
         if self.evaluate_seconds is not None:
             result["timing"] = {"evaluate_seconds": self.evaluate_seconds(req)}
         return RunObservation(run, "succeeded", result=result)

@@ -81,9 +81,11 @@ def evaluate(harness, export_dir: Path, *extra: str) -> dict:
 
 
 def consecutive_bpb(harness, model: nn.Module) -> float:
-    """val_bpb as evaluate_bpb computed it before the strided order: windows in consecutive rows."""
+    """val_bpb as evaluate_bpb computed it before the strided order: windows in consecutive rows,
+    each prediction scored over the text tokens (the special tokens' logits at -inf)."""
     tokens = torch.from_numpy(harness.data.tokens("val").astype("int64"))
     table = torch.from_numpy(harness.data.token_bytes().astype("int64"))
+    special = table == 0
     rows, seq_len = harness.rows, harness.seq_len
     windows = min(harness.prepare.EVAL_TOKENS, len(tokens) - 1) // seq_len
     nats, nbytes = 0.0, 0
@@ -91,7 +93,8 @@ def consecutive_bpb(harness, model: nn.Module) -> float:
         for first in range(0, windows, rows):
             w = torch.tensor([min(first + r, windows - 1) for r in range(rows)])
             window = tokens[w[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]]
-            ce = F.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten(), reduction="none")
+            logits = model(window[:, :-1]).masked_fill(special, float("-inf"))
+            ce = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten(), reduction="none")
             b = table[window[:, 1:]].flatten() * torch.tensor([first + r < windows for r in range(rows)]).repeat_interleave(seq_len)
             nats += float(torch.where(b > 0, ce.double(), 0.0).sum())
             nbytes += int(b.sum())
@@ -548,3 +551,94 @@ def test_a_model_that_draws_random_numbers_is_refused(harness, tmp_path, model):
     result = evaluate(harness, export(harness, model(harness.vocab), tmp_path))
     assert not result["ok"] and result["reason_code"] == "ExportRefused", result
     assert "draws random numbers" in result["reason"], result["reason"]
+
+
+# --- state outside the module's tensors, and tensors the evaluator cannot copy -----------------
+
+
+class StashesInFreedMemory(Causal):
+    """Cheats on the scored batch and passes the probe with state kept in uninitialised memory.
+
+    Each call writes [MAGIC, checksum, the batch it takes as original] into K fresh int64 tensors of a size
+    nothing else uses, which die at the end of the call; the K torch.empty of the next call get those
+    chunks back from the allocator, bytes intact (glibc). The probe's perturbed copy finds the scored
+    batch there (one of its rows is whole), maps each of its rows to the original by longest common prefix
+    and adds the same +30 nats on the original next token: every position before a cut is unchanged.
+    Without the refusal of aten.empty this scored about 0.05 bits per byte against the honest model's 2.9.
+    """
+
+    K, OFF, MAGIC = 16, 32, 0x5EED_C0DE_1234
+
+    def forward(self, idx):
+        B, T = idx.shape
+        N, OFF, K, V = B * T, self.OFF, self.K, self.vocab
+        S = 2 * OFF + 2 + N
+        w = torch.arange(1, N + 1, dtype=torch.int64).view(B, T)
+        raws = torch.stack([torch.empty(S, dtype=torch.int64) for _ in range(K)])  # last call's stashes
+        datas, oks = [], []
+        for k in range(K):
+            raw = raws[k]
+            hit = raw[: 2 * OFF] == self.MAGIC
+            p = torch.argmax(hit.to(torch.int64))
+            data = raw[(p + 2 + torch.arange(N)).clamp(max=S - 1)].clamp(0, V - 1).view(B, T)
+            chk = raw[(p + 1).clamp(max=S - 1).view(1)].sum()
+            eq = idx[:, None, :] == data[None, :, :]
+            oks.append(hit.any() & (chk == (data * w).sum()) & eq.all(-1).any())
+            datas.append(data)
+        oks = torch.stack(oks)
+        perturbed = oks.any()
+        data = torch.stack(datas).index_select(0, torch.argmax(oks.to(torch.int64)).view(1))[0]
+        lcp = (idx[:, None, :] == data[None, :, :]).to(torch.int64).cumprod(-1).sum(-1)
+        src = torch.where(perturbed, data[lcp.argmax(-1)], idx)
+        keep = torch.where(perturbed, data, idx)
+        pos = torch.arange(T)[None, :, None]
+        mask = ((pos >= 1) & (pos < T - 1)).float()
+        logits = super().forward(idx) + 30.0 * mask * F.one_hot(torch.roll(src, -1, dims=1), V).float()
+        body = torch.cat([torch.tensor([self.MAGIC]), (keep * w).sum().view(1), keep.flatten()])
+        z = torch.zeros(OFF, dtype=torch.int64)
+        stashes = [torch.cat([z, body, z]) for _ in range(K)]  # all alive until the end: K chunks
+        return logits + (torch.stack([s[OFF] for s in stashes]).sum() * 0).float()
+
+
+def test_a_model_that_keeps_state_in_uninitialised_memory_is_refused(harness, tmp_path):
+    result = evaluate(harness, export(harness, StashesInFreedMemory(harness.vocab), tmp_path))
+    assert not result["ok"] and result["reason_code"] == "ExportRefused", result
+    assert "aten.empty" in result["reason"], result["reason"]
+
+
+class HugeExpandedBuffer(Causal):
+    """Honest, plus an unused buffer of 2**40 elements held in 4 bytes (a stride-0 view): the archive is
+    small, but a dense copy of the buffer cannot be made."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab)
+        self.register_buffer("huge", torch.zeros(1).expand(2**20, 2**20))
+
+
+def test_a_tensor_the_evaluator_cannot_copy_is_the_candidates_failure(harness, tmp_path):
+    result = evaluate(harness, export(harness, HugeExpandedBuffer(harness.vocab), tmp_path))
+    assert not result["ok"] and result["blame"] == "candidate", result  # was "harness": a free re-run
+    assert result["reason_code"] == "ExportRefused" and "not dense" in result["reason"], result
+
+
+class NoSpecials(Causal):
+    """Causal, with no probability on the special tokens (their logits -inf). They are never
+    targets that count (0 bytes), so before each prediction was scored over the text tokens
+    alone this gained -log(1 - p(special)) on every scored token: about 1.5 % of val_bpb on
+    the synthetic data, for nothing learned."""
+
+    def __init__(self, vocab: int, special: torch.Tensor) -> None:
+        super().__init__(vocab)
+        self.register_buffer("special", special)
+
+    def forward(self, idx):
+        return super().forward(idx).masked_fill(self.special, float("-inf"))
+
+
+def test_giving_the_special_tokens_no_probability_gains_nothing(harness, tmp_path):
+    special = torch.from_numpy(harness.data.token_bytes().astype("int64")) == 0
+    assert special.any()
+    honest = evaluate(harness, export(harness, Causal(harness.vocab), tmp_path / "honest"))
+    cheat = evaluate(harness, export(harness, NoSpecials(harness.vocab, special), tmp_path / "cheat"))
+    assert honest["ok"] and cheat["ok"], (honest, cheat)
+    assert cheat["val_bpb"] == pytest.approx(honest["val_bpb"], rel=1e-6), (cheat, honest)

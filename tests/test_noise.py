@@ -259,3 +259,41 @@ def test_each_confirm_test_against_one_master_sets_a_higher_bar(tmp_path, monkey
     assert "t-test at 0.00833" in verdicts[4]["explain"]
     assert lab.repo.master().hash == master
     assert not any(r["promoted"] == "1" for r in lab.ledger.rows())
+
+
+def test_a_candidate_that_voids_its_unlucky_confirm_runs_still_spends_its_tries(tmp_path,
+                                                                                monkeypatch):
+    """A candidate that can end its own run as a harness error (after training, when its loss
+    says whether the draw was lucky) drops every unlucky confirm series: those experiments end
+    NotConfirmed with no test made. Counting only the tests made, the one series it lets finish
+    was tested as the first, at 0.025, and a 0.032 lead of pure luck (2.8 standard errors)
+    passed it. Every series drawn against the master counts, whatever ended it: the third is
+    tested at 2 * 0.025 / 12."""
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    lab = confirming_lab(tmp_path, 2)
+
+    def draw(req) -> float | None:
+        src = req.candidate_source
+        if req.seed == 0 and "SEED = 42 +" not in src:
+            return 0.97                                # every variant's first run is lucky
+        if place(req) is not None and req.run.split("-")[-1].startswith("c") \
+                and ("SEED = 43 +" in src or "SEED = 44 +" in src):
+            return None                                # unlucky by its loss: voided
+        if "SEED = 45 +" in src:
+            return base(req) - 0.032                   # the lucky series, let finish
+        return base(req)
+
+    lab.backends["local"] = InstantBackend(draw)
+    master = lab.repo.master().hash
+    for k in (3, 4, 5):
+        lab.apply_file(spec_from_edit(lab, f"seed-{k}", "SEED = 42 +", f"SEED = 4{k} +"), "t")
+        s = run_until_done(lab)[f"seed-{k}"]
+        if k < 5:
+            assert (s["outcome"], s["reason"]) == ("Rejected", "NotConfirmed"), s["message"]
+    assert (s["phase"], s["outcome"], s["verdict"]) == ("Succeeded", "Rejected", "WithinNoise"), \
+        s["message"]
+    verdict = s["confirm"]["verdict"]
+    assert (verdict["tries"], verdict["alpha"]) == (3, round(0.05 / 12, 6)), verdict
+    assert 0.031 < verdict["difference"] < 0.033
+    assert lab.repo.master().hash == master
+    assert not any(r["promoted"] == "1" for r in lab.ledger.rows())

@@ -226,7 +226,7 @@ async def test_the_candidate_trains_in_a_container_of_its_own_with_least_privile
                              "train-data": ("/autolab/train-data", False),
                              "stage-tmp": ("/tmp", False)}
     assert mounts(train) == {"candidate": ("/autolab/candidate", True),
-                             "train-data": ("/autolab/train-data", True),
+                             "train-data": ("/autolab/train-data", False),  # train.bin unlinked
                              "export": ("/autolab/export", False),
                              "train-tmp": ("/tmp", False)}
     assert mounts(run) == {"candidate": ("/autolab/candidate", True),

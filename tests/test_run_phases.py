@@ -76,13 +76,20 @@ def bench(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def staged(bench, tmp_path_factory) -> Path:
+def staged_once(bench, tmp_path_factory) -> Path:
     """The stage phase's output: the training split of the synthetic source."""
     out = tmp_path_factory.mktemp("train-data")
     done = run_py(BENCH, bench.cache, "--phase", "stage", "--source", "synthetic",
                   "--train-data", out, "--termination-log", out.parent / "stage.term")
     assert done.returncode == 0, done.stdout + done.stderr
     return out
+
+
+@pytest.fixture()
+def staged(staged_once, tmp_path) -> Path:
+    """A copy of it per test, as each Pod has its own train-data volume: a container-mode train
+    phase unlinks train.bin once it has mapped it."""
+    return Path(shutil.copytree(staged_once, tmp_path / "train-data"))
 
 
 def write(path: Path, text: str) -> Path:
@@ -168,6 +175,27 @@ def test_a_train_phase_past_its_budget_is_budget_exceeded(bench, staged, tmp_pat
     assert (result["status"], result["reason_code"]) == ("failed", "BudgetExceeded")
     assert "budget" in result["reason"] and "metrics" not in result
     assert result["signature"] == result_signature(KEY, result)
+
+
+def test_a_container_mode_candidate_cannot_open_the_staged_split(bench, staged, tmp_path):
+    """In the train container the candidate has its harness's uid. A train.bin it could open
+    would be training data outside the timed stream: read during the start-up allowance, before
+    the first batch starts the clock (the Pod's own limit includes that allowance)."""
+    candidate = write(tmp_path / "candidate" / "train.py", (
+        "import os\n"
+        "argv = open(f'/proc/{os.getppid()}/cmdline', 'rb').read().split(b'\\0')\n"
+        "path = os.path.join(argv[argv.index(b'--train-data') + 1].decode(), 'train.bin')\n"
+        "try:\n"
+        "    os.close(os.open(path, os.O_RDONLY))\n"
+        "    print('STAGED-SPLIT-OPENED', path, flush=True)\n"
+        "except OSError as e:\n"
+        "    print('STAGED-SPLIT-REFUSED', type(e).__name__, flush=True)\n"
+        + TRAIN.read_text()))
+    train, _, result = train_then_evaluate(bench, staged, tmp_path, candidate, sandbox="container")
+    assert "STAGED-SPLIT-REFUSED FileNotFoundError" in train.stdout, train.stdout[-2000:]
+    assert "STAGED-SPLIT-OPENED" not in train.stdout
+    assert not (staged / "train.bin").exists()
+    assert result["status"] == "succeeded", result["reason"]  # the stream still served it
 
 
 def test_an_evaluator_holds_the_train_record_to_its_own_budget(bench, staged, tmp_path):
@@ -531,3 +559,21 @@ def test_a_container_mode_candidate_cannot_reach_into_its_harness(bench, staged,
     assert "PROBE " in done.stdout, done.stdout + done.stderr
     [line] = [line for line in done.stdout.splitlines() if "PROBE " in line]
     assert json.loads(line.split("PROBE ", 1)[1]) == {"mem": "EACCES", "fd": "EACCES"}
+
+
+@pytest.mark.parametrize("plant", ["directory", "fifo"])
+def test_a_container_mode_candidate_cannot_make_its_train_record_unwritable(bench, staged, tmp_path,
+                                                                           plant):
+    """The candidate's scratch is export_dir/scratch: the record's directory is writable to it
+    (same uid). A directory at record.json made the harness's replace fail (exit 4: the Job
+    retries it, then `lost`, 'not a measurement, it may run again'); a FIFO at the predictable
+    temp name (.record.json.<pid>.tmp; pid 1 in a Pod) blocked the harness until the Job's
+    deadline. Either let a candidate void any run it liked, e.g. an unlucky one."""
+    hook = ("import os\n"
+            "_parent = os.path.dirname(os.getcwd())\n"
+            + ("os.mkdir(os.path.join(_parent, 'record.json'))\n" if plant == "directory" else
+               "os.mkfifo(os.path.join(_parent, f'.record.json.{os.getppid()}.tmp'))\n"))
+    candidate = write(tmp_path / "candidate" / "train.py", hook + TRAIN.read_text())
+    train, _, result = train_then_evaluate(bench, staged, tmp_path, candidate, sandbox="container")
+    assert json.loads((tmp_path / "export" / "record.json").read_text())["phase"] == "train"
+    assert result["status"] == "succeeded", result["reason"]

@@ -30,8 +30,8 @@ runs bench/run.py in three phases, one container each, in order:
    cache volume and copies the training split, and only it, into the
    `train-data` emptyDir.
 2. `train` (init container, the candidate): mounts the candidate, the
-   `train-data` emptyDir read-only, the `export` emptyDir and an emptyDir at
-   /tmp; nothing else: no cache (no validation split), no key, no
+   `train-data` emptyDir (its harness maps train.bin, then unlinks it before the
+   candidate starts), the `export` emptyDir and an emptyDir at /tmp; nothing else: no cache (no validation split), no key, no
    service-account token. The harness streams the training data to the
    candidate and records what happened in the export directory. When the
    container's first process exits, every process of the container goes with
@@ -249,7 +249,9 @@ class KubernetesBackend:
         train = container(TRAIN_CONTAINER, [
             "--phase", "train", "--candidate", candidate, "--train-data", TRAIN_DATA_DIR,
             "--export-dir", EXPORT_DIR, "--sandbox", "container", *budget_args,
-        ], [], [mount("candidate", CANDIDATE_DIR, True), mount("train-data", TRAIN_DATA_DIR, True),
+        # train-data writable: the harness unlinks train.bin once it is mapped, before the
+        # candidate (its own uid) starts, so the split reaches it only through the timed stream.
+        ], [], [mount("candidate", CANDIDATE_DIR, True), mount("train-data", TRAIN_DATA_DIR, False),
                 mount("export", EXPORT_DIR, False)], gpu=True)
         evaluate = container(CONTAINER, [
             "--phase", "evaluate", "--candidate", candidate, "--export-dir", EXPORT_DIR,

@@ -353,6 +353,16 @@ def next_run(name: str, st: dict) -> dict:
     return {"name": f"{main}-{program[0]}{i}", "program": program, "seed": seed}
 
 
+def candidate_confirm_run(run_id: str, name: str) -> bool:
+    """Whether `run_id`, a ledger row of experiment `name`, is one of its candidate's confirm
+    runs (`next_run` names them `exp-<name>-<attempt>-c<i>`)."""
+    prefix = f"exp-{name}-"
+    if not run_id.startswith(prefix):
+        return False
+    attempt, _, place = run_id[len(prefix):].partition("-c")
+    return attempt.isdigit() and place.isdigit()
+
+
 def _margin(w: World) -> float | None:
     return margin(w.lab.min_delta, w.noise)
 
