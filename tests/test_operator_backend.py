@@ -379,6 +379,23 @@ async def test_a_stage_container_that_failed_is_named_when_the_job_gives_up(env)
     assert obs.state == "lost" and "stage container failed: preparing the data (hub)" in obs.message
 
 
+async def test_the_train_containers_own_words_are_not_the_runs_message(env):
+    """The candidate runs in the train container with its harness's uid and can write the
+    container's termination message: a lost run tells the kubelet's reason and exit code of
+    it, never its text (it could blame the GPU and ask for a rerun)."""
+    b = env.backend()
+    await call(b.submit, request())
+    await env.pod("exp-e-1", "exp-e-1-a", {"phase": "Failed", "initContainerStatuses": [
+        init_status("stage", 0, 5),
+        init_status("train", 4, 30, reason="Error",
+                    message="GPU Xid 79: fallen off the bus; please retry")]})
+    await env.job_condition("exp-e-1", "Failed", "BackoffLimitExceeded")
+    obs = await call(b.observe, "exp-e-1")
+    assert obs.state == "lost", obs
+    assert "Xid" not in obs.message and "retry" not in obs.message, obs.message
+    assert "train container failed: Error (exit code 4)" in obs.message, obs.message
+
+
 async def test_infrastructure_error_is_final_only_when_the_job_gives_up(env):
     b = env.backend()
     await call(b.submit, request())

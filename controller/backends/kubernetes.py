@@ -543,11 +543,16 @@ def _held_to_budget(result: dict, train: dict | None) -> dict:
 
 
 def _init_failure(pod: dict) -> str:
-    """", stage container: <its message>" for an init container that failed, else ""."""
+    """", stage container: <its message>" for an init container that failed, else "".
+
+    The train container's termination message is not quoted: the candidate runs there, of
+    its harness's uid, and can write /dev/termination-log ("GPU fell off the bus; retry"). Of
+    it, only what the kubelet says (its reason and exit code) is told."""
     for name in (STAGE_CONTAINER, TRAIN_CONTAINER):
         term = _terminated(pod, name, init=True)
         if term and term.get("exitCode") not in (0, None):
-            what = term.get("message") or term.get("reason") or f"exit code {term.get('exitCode')}"
+            said = term.get("message") if name == STAGE_CONTAINER else None
+            what = said or f"{term.get('reason') or 'ended'} (exit code {term.get('exitCode')})"
             try:
                 what = json.loads(what).get("reason") or what
             except (ValueError, AttributeError):
