@@ -92,7 +92,7 @@ from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, E
                                        reconcile, reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
-from controller.core.spec import ExperimentSpec, LabSpec
+from controller.core.spec import ExperimentSpec, LabSpec, next_name
 from controller.lab.clock import utcnow
 from controller.lab.ledger import Ledger
 from controller.lab.memory import near_duplicates, remember_quietly
@@ -426,6 +426,17 @@ class Engine:
     def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         name = obs.name
         spec, spec_doc, spec_error = self.spec_of(obs)
+        used = None if obs.status or deleting else self.ledger.name_recorded(name)
+        if used:
+            # A new object (no status yet) under a name the ledger holds: its runs
+            # (`exp-<name>-<attempt>`) would be the old ones, adopted (a backend never starts a
+            # run twice), and judged with the old program's val_bpb; its own rows never written
+            # (the run ids are recorded). A spec file written by hand, an Experiment deleted and
+            # made again: both front ends come through here.
+            spec, spec_error = None, (
+                f"experiment name {name!r} was used before ({used}); names are permanent once "
+                f"recorded (runs, branches and ledger rows are named after them): apply it "
+                f"under a new name, e.g. {next_name(name)}")
         priority = spec.priority if spec else 0
         st = written = obs.status
         untold: list[Event] = []  # events of transitions whose status is not stored yet

@@ -36,7 +36,7 @@ from controller.backends.local import LocalBackend, visible_slots
 from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
-from controller.core.spec import LabSpec, SpecError, trackable, validate_document
+from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import utcnow
@@ -316,7 +316,9 @@ class LocalLab:
             return {}
         spec = r.get("spec") or {}
         ok = isinstance(spec, dict) and isinstance(spec.get("priority", 0), int)
-        return r if ok else {}
+        # A spec refused by its schema (priority: high) still has its status (Invalid): keep
+        # it, or the pass summary never sees it settle and `autolab run` never ends.
+        return r if ok else {**r, "spec": {}}
 
     def _reconcile_isolated(self, name: str, deleting: bool = False,
                             schedule: bool = True) -> str | None:
@@ -438,10 +440,7 @@ class LocalLab:
         """Where `name` was recorded before, if anywhere: names are permanent once the ledger
         has a row of theirs (a finished, refused, imported or deleted experiment), as run ids
         and experiment branches are named after them."""
-        for row in self.ledger.rows():
-            if row.get("experiment_id") == name:
-                return f"ledger run {row.get('run_id')}, {row.get('status') or 'recorded'}"
-        return None
+        return self.ledger.name_recorded(name)
 
     def apply_file(self, doc: dict, source: str) -> str:
         """Write a validated spec into experiments/; returns created, unchanged or configured
@@ -472,7 +471,7 @@ class LocalLab:
                     f"{source}: experiment {name!r} already exists (phase {phase}) with a "
                     f"different spec; a spec cannot change once applied (the controller runs "
                     f"the spec it checked): create a new Experiment with a new name, e.g. "
-                    f"{_next_name(name)}, and `autolab delete {name}` if it should not finish")
+                    f"{next_name(name)}, and `autolab delete {name}` if it should not finish")
             if old == doc:
                 return "unchanged"
             atomic_write(target, _spec_yaml(doc))
@@ -481,7 +480,7 @@ class LocalLab:
         if used:
             raise SpecError(f"{source}: experiment name {name!r} was used before ({used}); names "
                             f"are permanent once recorded: apply it under a new name, e.g. "
-                            f"{_next_name(name)}")
+                            f"{next_name(name)}")
         atomic_write(target, _spec_yaml(doc))
         with self._lock(name):
             self.statuses.read(name)  # recorded now: Pending until the loop checks it
@@ -559,14 +558,6 @@ _STEP_LINE = re.compile(rb"^step (\d{1,9}) \|[^\n]*\| time (\d{1,7}(?:\.\d+)?)/(
 
 def _spec_yaml(doc: dict) -> str:
     return yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
-
-
-def _next_name(name: str) -> str:
-    """A name to suggest instead of a taken one: `warmdown-03` -> `warmdown-03-2`, `x-2` -> `x-3`."""
-    head, _, tail = name.rpartition("-")
-    if head and tail.isdigit() and len(tail) < 4:
-        return f"{head}-{int(tail) + 1:0{len(tail)}d}"
-    return f"{name}-2"
 
 
 @dataclass

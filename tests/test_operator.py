@@ -364,6 +364,14 @@ async def test_experiment_runs_as_a_gpu_job_and_its_result_is_recorded_and_promo
         assert c.get(JOBS, "exp-deeper-1") is None
         row = {r["run_id"]: r for r in c.ledger()}["exp-deeper-1"]
         assert row["status"] == "cancelled" and row["experiment_id"] == "deeper"
+
+        # Made again under that name (another program): refused, not run as exp-deeper-1 (a
+        # run of that name is the old one, and its row is written) nor judged on the old row.
+        await c.apply("experiments", experiment("deeper", "DEPTH = 8", "DEPTH = 12"))
+        await c.until("Invalid", lambda: c.phase("deeper") == "Invalid")
+        assert "was used before" in c.get(EXP, "deeper")["status"]["message"]
+        assert c.get(JOBS, "exp-deeper-1") is None
+        assert [r for r in c.ledger() if r["experiment_id"] == "deeper"] == [row]
     _assert_rbac_allows(c.operator_requests())
     # The same after-record hooks as on one machine: a research note per experiment, Trackio.
     notes = c.root / "default" / "research" / "experiments"

@@ -137,6 +137,17 @@ def parse_surface_diff(text: str, surface: str = "bench/train.py") -> SurfaceDif
                 h = lines[i]
                 tag = h[:1]
                 if h.startswith("\\"):
+                    # `\ No newline at end of file` ends the side of the line before it:
+                    # git applies it by dropping that line's newline, which anywhere else
+                    # joins it to the next line (the diff would read otherwise than the
+                    # program git makes of it).
+                    prev = body[-1][:1] if len(body) > 1 else ""
+                    if prev not in (" ", "-", "+") or (prev in " -" and seen_old < old_len) \
+                            or (prev in " +" and seen_new < new_len):
+                        raise DiffRefused("DiffMalformed",
+                                          f"line {i + 1}: '\\ No newline at end of file' in the "
+                                          "middle of a hunk; it may only follow the last line "
+                                          "of the file")
                     body.append(h)
                 elif tag == " " or h == "":
                     seen_old += 1

@@ -502,3 +502,11 @@ def _confirm_runs(v: object) -> int | None:
 def is_valid_name(name: str) -> bool:
     # fullmatch: `$` alone would let a trailing newline through
     return len(name) <= NAME_MAX and re.fullmatch(NAME_PATTERN, name) is not None
+
+
+def next_name(name: str) -> str:
+    """A name to suggest instead of a taken one: `warmdown-03` -> `warmdown-03-2`, `x-2` -> `x-3`."""
+    head, _, tail = name.rpartition("-")
+    if head and tail.isdigit() and len(tail) < 4:
+        return f"{head}-{int(tail) + 1:0{len(tail)}d}"
+    return f"{name}-2"

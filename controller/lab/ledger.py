@@ -100,6 +100,7 @@ class Ledger:
         self._header: list[str] | None = None
         self._rows: list[dict] = []
         self._run_ids: set[str] = set()
+        self._names: dict[str, str] = {}  # experiment_id -> where it was first recorded
         self._by_hash: dict[str, str] = {}
         self._by_semantic: dict[str, str] = {}
 
@@ -144,6 +145,8 @@ class Ledger:
     def _index(self, row: dict) -> None:
         self._rows.append(row)
         self._run_ids.add(row.get("run_id", ""))
+        self._names.setdefault(row.get("experiment_id", ""),
+                               f"ledger run {row.get('run_id')}, {row.get('status') or 'recorded'}")
         if row.get("status") in MEASURED:
             h, s = row.get("candidate_hash"), row.get("semantic_hash")
             name = row.get("experiment_id", "")
@@ -156,6 +159,14 @@ class Ledger:
         with self._mutex:
             self.refresh()
             return list(self._rows)
+
+    def name_recorded(self, name: str) -> str | None:
+        """Where experiment `name` was recorded first ("ledger run <id>, <status>"), if it was:
+        names are permanent once the ledger has a row of theirs, as run ids and experiment
+        branches are named after them."""
+        with self._mutex:
+            self.refresh()
+            return self._names.get(name) if name else None
 
     def has_run(self, run_id: str) -> bool:
         with self._mutex:

@@ -209,7 +209,10 @@ def _entry(row: dict, spec: dict | None, surface: str, why: str) -> str:
         shown = "; ".join(f"`{a.strip()}`" for a in added[:2] if a.strip())
         change = f" Change: {shown}{' …' if len(added) > 2 else ''}." if shown else ""
     name = row["experiment_id"]
-    return (f"- `{name}` ({row.get('created_at', '')[:10]}): {row.get('hypothesis', '')} "
+    # One list item, one line: a hypothesis may hold line breaks (its own or U+2028), which
+    # would forge entries or headings (and an entry of another name makes its real one "present").
+    hypothesis = " ".join(str(row.get("hypothesis", "")).split())
+    return (f"- `{name}` ({row.get('created_at', '')[:10]}): {hypothesis} "
             f"— {why}.{change} [note](experiments/{name}.md)\n")
 
 
