@@ -260,6 +260,10 @@ class LocalLab:
         for path in sorted(self.experiments_dir.iterdir()):
             if path.suffix not in SPEC_SUFFIXES or path.name.startswith("."):
                 continue
+            if not path.name.isprintable():  # its name would reach terminals and statuses
+                out.errors.append(f"{ascii(str(path))}: a spec file's name must be printable "
+                                  "(no control or escape characters); rename it")
+                continue
             try:
                 docs = load_yaml_file(path)
             except SpecError as e:

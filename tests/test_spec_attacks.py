@@ -83,3 +83,14 @@ def test_a_spec_refused_for_its_priority_settles_and_autolab_run_ends(lab):
         "spec: {hypothesis: h, parent: abcd, diff: x, priority: high}\n")
     st = run_until_done(lab)["e"]
     assert st["phase"] == "Invalid" and "spec.priority" in st["message"]
+
+
+def test_a_spec_file_whose_name_carries_escape_sequences_is_refused_by_its_escaped_name(lab):
+    """A file name reached `autolab run`'s output and the status message as it was: a title
+    change and a cleared screen, sent to whoever reads them."""
+    doc = spec_from_edit(lab, "esc", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05")
+    (lab.experiments_dir / "\x1b]0;owned\x07\x1b[2J.yaml").write_text(yaml.safe_dump(doc))
+    loaded = lab.load_specs()
+    assert "esc" not in loaded.specs
+    [error] = loaded.errors
+    assert "\x1b" not in error and "\\x1b" in error and "must be printable" in error
