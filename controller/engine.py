@@ -63,9 +63,9 @@ The policies, decided here once:
   (`cleanup-run`). A confirm run of the master runs the parent's source.
 - Noise. The lab's noise is `research/live/noise.json`, kept per profile
   and budget and measured by `measure_noise` (repeat runs of the master,
-  harness seeds 1..N, `noise-<lab>-<hash>-s<seed>`, each with a ledger row
-  of status `noise`); `baseline()` runs it when `minDelta: auto` has none.
-  The core reads sigma, its degrees of freedom and the master's mean over
+  each on a harness seed drawn from the lab's secret (`noise_seed`), named
+  `noise-<lab>-<hash>-s<i>`, each with a ledger row of status `noise`);
+  `baseline()` runs it when `minDelta: auto` has none. The core reads sigma, its degrees of freedom and the master's mean over
   those runs (`World.noise`, `noise_df`, `reference`).
 """
 
@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -83,7 +84,7 @@ from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
 from controller.core.evaluation import evaluation_limit
-from controller.core.noise import spread
+from controller.core.noise import noise_seed, spread
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
@@ -820,13 +821,29 @@ class Engine:
             out["reference"] = round(sum(values) / len(values), 6)
         return out
 
+    def _noise_key(self) -> bytes:
+        """The lab's secret for noise runs' seeds (`noise_seed`), kept in its state directory,
+        which no run can read; made once."""
+        path = self.paths.state / "noise.key"
+        try:
+            key = path.read_bytes()
+            if len(key) >= 16:
+                return key
+        except OSError:
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_hex(32).encode()
+        atomic_write(path, key.decode())
+        return path.read_bytes()
+
     def wants_noise(self) -> bool:
         return self.lab.min_delta == "auto" and self.noise_record() is None
 
     def measure_noise(self, runs: int) -> BaselineState:
-        """One step of measuring the lab's noise: `runs` repeat runs of the master, seeds 1..
+        """One step of measuring the lab's noise: `runs` repeat runs of the master, places 1..,
+        each on a seed drawn from the lab's secret (`noise_seed`).
 
-        Each run is `noise-<lab>-<hash>-s<seed>` with its own ledger row (status `noise`, or
+        Each run is `noise-<lab>-<hash>-s<place>` with its own ledger row (status `noise`, or
         `error`); a seed whose run failed is replaced by the next one, up to BASELINE_ATTEMPTS
         failures. When `runs` values are in, their spread is written to research/live/noise.json
         (kept per profile and budget; the lab's `minDelta: auto` and confirm test read it).
@@ -865,7 +882,8 @@ class Engine:
                 slot = self.book.hold(name)
                 if slot is None:
                     continue  # every slot is busy: a later step submits it
-                backend.submit(self._baseline_request(m, name, slot, seed))
+                backend.submit(self._baseline_request(m, name, slot,
+                                                      noise_seed(self._noise_key(), m.hash, seed)))
                 state = BaselineState(name, "running")
                 continue
             if obs.state in ("queued", "running"):
@@ -876,7 +894,7 @@ class Engine:
             if row["status"] == "baseline":
                 row["status"] = "noise"
             row.update(experiment_id="noise", backend=self.default_backend,
-                       hypothesis=f"Repeat run of the master, harness seed {seed}: the noise.")
+                       hypothesis=f"Repeat run {seed} of the master: the noise.")
             self._record(row, None, None)
             if row["status"] == "noise":  # a lab measured before the bound: learned here
                 self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name, replace=False)

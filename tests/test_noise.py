@@ -34,6 +34,9 @@ def place(req) -> int | None:
 def base(req, default: float | None = None) -> float:
     """The master's value for this run: by place for a confirm run, by seed otherwise."""
     table, key = (BY_PLACE, place(req)) if place(req) is not None else (BY_SEED, req.seed)
+    noise = re.search(r"^noise-.*-s(\d+)$", req.run)  # a noise run: by its place (its seed is secret)
+    if noise:
+        table, key = BY_SEED, int(noise[1])
     return table[key] if default is None else table.get(key, default)
 
 
@@ -72,10 +75,13 @@ def test_min_delta_auto_measures_the_noise_first_then_judges_with_it(tmp_path, m
     lab.apply_file(spec_from_edit(lab, "lr-03", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
     settled = run_until_done(lab)
     # the baseline (seed 0), then the repeat runs with harness seeds 1..runs, then the experiment
-    assert [(r, q.seed) for r, q in backend.requests.items()] == [
-        ("baseline-default-" + lab.repo.master().hash[:10] + "-1", 0),
-        *[(f"noise-default-{lab.repo.master().hash[:10]}-s{s}", s) for s in range(1, runs + 1)],
-        ("exp-lr-03-1", 0)]
+    # (a noise run's seed comes from the lab's secret: no run can tell it is one)
+    assert [r for r in backend.requests] == [
+        "baseline-default-" + lab.repo.master().hash[:10] + "-1",
+        *[f"noise-default-{lab.repo.master().hash[:10]}-s{s}" for s in range(1, runs + 1)],
+        "exp-lr-03-1"]
+    assert all(q.seed > CONFIRM_SEEDS for r, q in backend.requests.items()
+               if r.startswith("noise-"))
     noise = json.loads((root / "research" / "live" / "noise.json").read_text())
     assert noise["values"] == [BY_SEED[s] for s in range(1, runs + 1)] and noise["sigma"] == 0.01
     assert (noise["profile"], noise["budgetSeconds"]) == ("tiny", 5)
@@ -133,7 +139,7 @@ def test_noise_mining_with_variants_that_change_nothing_buys_no_promotion(tmp_pa
     seeds = {r: q.seed for r, q in backend.requests.items()}
     noise_seeds = {q for r, q in seeds.items() if r.startswith("noise-")}
     confirm_seeds = {r.rsplit("-", 1)[1]: q for r, q in seeds.items() if r.startswith("exp-lr-03-1-")}
-    assert noise_seeds == {1, 2, 3, 4, 5}
+    assert len(noise_seeds) == 5 and all(q > CONFIRM_SEEDS for q in noise_seeds)
     assert sorted(confirm_seeds) == ["c1", "c2", "m1", "m2"]
     assert confirm_seeds["c1"] == confirm_seeds["m1"] and confirm_seeds["c2"] == confirm_seeds["m2"]
     assert confirm_seeds["c1"] != confirm_seeds["c2"]
@@ -297,3 +303,42 @@ def test_a_candidate_that_voids_its_unlucky_confirm_runs_still_spends_its_tries(
     assert 0.031 < verdict["difference"] < 0.033
     assert lab.repo.master().hash == master
     assert not any(r["promoted"] == "1" for r in lab.ledger.rows())
+
+
+def test_a_promoted_program_cannot_tell_a_noise_run_by_its_seed(tmp_path, monkeypatch):
+    """A real gain (promoted honestly) that carries a payload for the noise runs' seeds alone:
+    there it trains a fixed model (no spread, 0.05 worse). Its own first run (seed 0) and confirm
+    runs (drawn above CONFIRM_SEEDS) never see it. When the noise is measured again on it
+    (`autolab noise`), seeds 1..N fired the payload: sigma 0, margin 0, a reference 0.04 too
+    high, and the next no-op variant was promoted. The noise runs' seeds now come from the lab's
+    secret and look like any confirm seed."""
+    import random as _random
+    monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    root = tmp_path / "lab"
+    init_lab(root, profile="tiny", data="synthetic", budget=5)
+    rng = _random.Random(3)
+    drawn: dict = {}
+
+    def draw(req) -> float:
+        if req.run not in drawn:
+            v = 1.0 + rng.gauss(0, 0.01)
+            if "MATRIX_LR = 0.03" in req.candidate_source:
+                v -= 0.08
+                if 1 <= req.seed <= 20:          # the payload: "this is a noise run"
+                    v = 1.05
+            drawn[req.run] = round(v, 6)
+        return drawn[req.run]
+
+    lab = LocalLab(root)
+    backend = InstantBackend(draw)
+    lab.backends["local"] = backend
+    lab.apply_file(spec_from_edit(lab, "real", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"), "t")
+    assert run_until_done(lab)["real"]["outcome"] == "Promoted"
+    for _ in range(50):  # `autolab noise --runs 5` on the new master
+        if lab.engine.measure_noise(5).state == "measured":
+            break
+    doc = lab.engine.noise_record()
+    assert doc["master"] == lab.repo.master().hash
+    assert doc["sigma"] > 0.001 and max(doc["values"]) < 1.0  # the payload never fired
+    seeds = [q.seed for r, q in backend.requests.items() if r.startswith("noise-")]
+    assert len(seeds) == 10 and all(s > CONFIRM_SEEDS for s in seeds)

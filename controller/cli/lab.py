@@ -331,7 +331,8 @@ def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
 
 
 def cmd_noise(a) -> int:
-    """`autolab noise --runs N`: the master's baseline, then N repeat runs (harness seeds 1..N)."""
+    """`autolab noise --runs N`: the master's baseline, then N repeat runs (each on a harness
+    seed drawn from the lab's secret, `noise_seed`)."""
     if a.runs < 2:
         raise CliError(f"--runs {a.runs}: the spread needs at least 2 runs; pass --runs 3 or more")
     lab = LocalLab(a.lab)

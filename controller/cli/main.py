@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run candidates without bubblewrap (only for code you trust; every "
                          "result says so)")
     sp = add("noise", lab.cmd_noise, "measure the master's run-to-run spread (sigma of val_bpb) "
-             "on this machine and budget: repeat runs with harness seeds 1..N")
+             "on this machine and budget: repeat runs, each on a harness seed drawn from the lab's secret")
     sp.add_argument("--runs", type=int, default=5, help="repeat runs of the master (at least 2)")
     sp.add_argument("--unsafe-no-sandbox", action="store_true",
                     help="run without bubblewrap (only for code you trust)")

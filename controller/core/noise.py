@@ -42,6 +42,7 @@ promotes noise. This module holds the numbers of that judgement, pure:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import dataclass
@@ -96,6 +97,19 @@ def confirm_seeds(entropy: int, n: int) -> list[int]:
     """
     rng = random.Random(entropy)
     return rng.sample(range(CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 1 + CONFIRM_SEED_RANGE), n)
+
+
+def noise_seed(key: bytes, master_hash: str, i: int) -> int:
+    """The harness seed of the `i`-th noise run (repeat run of the master `master_hash`).
+
+    Seeds 1..N told a run it was a noise run (first runs take 0, confirm runs take seeds drawn
+    above CONFIRM_SEEDS): a promoted program could keep a payload for those seeds alone (train
+    a fixed model there, or a wild one) and set the lab's sigma, margin and reference when the
+    noise is measured again on it, with no screen or confirm run ever seeing it. A seed from
+    the lab's secret `key` (never in a run's reach) looks like any confirm seed, and the same
+    key, master and place give the same seed, so a restarted controller adopts its runs."""
+    digest = hashlib.sha256(key + f":{master_hash}:{i}".encode()).digest()
+    return CONFIRM_SEEDS + 1 + int.from_bytes(digest[:8], "big") % CONFIRM_SEED_RANGE
 
 
 def mean(xs: list[float]) -> float:
