@@ -427,9 +427,11 @@ class Engine:
     def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         name = obs.name
         spec, spec_doc, spec_error = self.spec_of(obs)
-        used = None if obs.status or deleting else self.ledger.name_recorded(name)
+        fresh = not deleting and obs.status.get("phase") in (None, PENDING) \
+            and not obs.status.get("candidateHash")  # not checked yet: no row of its own
+        used = self.ledger.name_recorded(name) if fresh else None
         if used:
-            # A new object (no status yet) under a name the ledger holds: its runs
+            # A new object (not checked yet) under a name the ledger holds: its runs
             # (`exp-<name>-<attempt>`) would be the old ones, adopted (a backend never starts a
             # run twice), and judged with the old program's val_bpb; its own rows never written
             # (the run ids are recorded). A spec file written by hand, an Experiment deleted and

@@ -94,3 +94,30 @@ def test_a_spec_file_whose_name_carries_escape_sequences_is_refused_by_its_escap
     assert "esc" not in loaded.specs
     [error] = loaded.errors
     assert "\x1b" not in error and "\\x1b" in error and "must be printable" in error
+
+
+def test_a_reused_name_is_refused_even_after_a_pass_that_failed(lab, monkeypatch):
+    """A pass that failed before the name was looked at leaves a failure on the status (no
+    phase): the next pass still looks."""
+    lab.backends["local"] = InstantBackend(lambda req: 1.3)
+    first = spec_from_edit(lab, "y", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05")
+    (lab.experiments_dir / "y.yaml").write_text(yaml.safe_dump(first))
+    assert run_until_done(lab)["y"]["outcome"] == "Rejected"
+    (lab.experiments_dir / "y.yaml").unlink()
+    run_until_done(lab)
+    ledger = type(lab.engine.ledger)
+    real = ledger.name_recorded
+    calls = []
+
+    def failing_once(self, name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise OSError("the ledger is busy")
+        return real(self, name)
+
+    monkeypatch.setattr(ledger, "name_recorded", failing_once)
+    second = spec_from_edit(lab, "y", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03")
+    (lab.experiments_dir / "y.yaml").write_text(yaml.safe_dump(second))
+    st = run_until_done(lab)["y"]
+    assert len(calls) >= 2
+    assert st["phase"] == "Invalid" and "was used before" in st["message"], st
