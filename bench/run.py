@@ -1361,9 +1361,13 @@ def _last_words(tail: list[str]) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temp file beside it, then a rename. The temp file has a
+    random name and is made with O_EXCL|O_NOFOLLOW, so nothing planted in a directory a
+    candidate can write (a FIFO or a link at a name it could guess) can take its place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -1697,38 +1701,19 @@ def _end_the_container() -> None:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
-        if not _others_alive():
+        if not _living([int(e) for e in os.listdir("/proc") if e.isdigit() and e != "1"]):
             return
         time.sleep(0.05)
 
 
-def _others_alive() -> bool:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or entry == "1":
-            continue
-        try:
-            state = Path(f"/proc/{entry}/stat").read_text(errors="replace").rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            return True
-    return False
-
-
 def _write_record(path: Path, text: str) -> None:
-    """Write the train record into a directory the candidate can write (container mode): a temp
-    file of a random name made with O_EXCL|O_NOFOLLOW (no FIFO or link planted in its place can
-    take it), and whatever the candidate left at the record's own name moved aside first (a
-    directory there would make the replace fail, and the run a retryable harness error)."""
-    tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write the train record into a directory the candidate can write (container mode):
+    `_write_atomic`, with whatever the candidate left at the record's own name that is not a
+    file moved aside first (a directory there would make the rename fail, and the run a
+    retryable harness error)."""
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
         os.rename(path, path.with_name(f".{path.name}.left-by-candidate.{os.urandom(8).hex()}"))
-    os.replace(tmp, path)
+    _write_atomic(path, text)
 
 
 def _train_record(export_dir: Path, mode: str) -> dict[str, Any]:
