@@ -1515,8 +1515,9 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   eval_limit_seconds: float | None = None) -> dict[str, Any]:
     """Run one candidate end to end and return the result (also written to result_path).
 
-    seed (the harness's, not the candidate's): 0 for a measured run; 1, 2, ... for the master's
-    noise runs, random ones above 1000 for confirm runs (the controller's choice; any int works). It
+    seed (the harness's, not the candidate's): 0 for a measured run; for the master's noise runs
+    and for confirm runs, ones above 1000 no run can predict (the controller's choice; any int
+    works). It
     moves the training data's start offset and is passed as $AUTOLAB_SEED, which bench/train.py
     reads; the program stays the same.
 

@@ -65,8 +65,9 @@ The policies, decided here once:
   and budget and measured by `measure_noise` (repeat runs of the master,
   each on a harness seed drawn from the lab's secret (`noise_seed`), named
   `noise-<lab>-<hash>-s<i>`, each with a ledger row of status `noise`);
-  `baseline()` runs it when `minDelta: auto` has none. The core reads sigma, its degrees of freedom and the master's mean over
-  those runs (`World.noise`, `noise_df`, `reference`).
+  `baseline()` runs it when `minDelta: auto` has none. The core reads sigma, its
+  degrees of freedom and the master's mean over those runs (`World.noise`,
+  `noise_df`, `reference`).
 """
 
 from __future__ import annotations
