@@ -58,16 +58,22 @@ The policies, decided here once:
 - Cumulative masters (the rules are the core's; the engine carries them out).
   A queued candidate whose master moved is materialised again onto the
   current master right before its submit (the slot it was granted is kept
-  meanwhile). A run that ends mid-life (a follow-up's first run, a confirm
+  meanwhile). A run that ends mid-life (a follow-up's first run, a pair
   run) gets its own ledger row at once and its backend objects go
-  (`cleanup-run`). A confirm run of the master runs the parent's source.
-- Noise. The lab's noise is `research/live/noise.json`, kept per profile
-  and budget and measured by `measure_noise` (repeat runs of the master,
-  each on a harness seed drawn from the lab's secret (`noise_seed`), named
-  `noise-<lab>-<hash>-s<i>`, each with a ledger row of status `noise`);
-  `baseline()` runs it when `minDelta: auto` has none. The core reads sigma, its
-  degrees of freedom and the master's mean over those runs (`World.noise`,
-  `noise_df`, `reference`).
+  (`cleanup-run`). A pair run of the master runs the parent's source, and
+  its value is kept on the master (`set-place`) for every later candidate.
+- Places and tests. A run's harness seed is its place's, drawn from the
+  lab's secret (`.autolab/state/noise.key`, which no run can read;
+  `controller.core.noise.place_seed`): the core names places, never seeds.
+  Which test against a master an experiment's decision is (its level) is
+  counted here when its first run is submitted: the experiments that began
+  one against that master, kept in `.autolab/state/tests/<master>.json`.
+- Noise. `autolab noise` (`measure_noise`) runs the master at places 1..N
+  (kept on the master, so candidates reuse them) and once more at each (the
+  GPU's own run-to-run noise), and writes `research/live/noise.json` for that
+  master: the spread across seeds, the spread of paired differences and the
+  smallest gain the lab detects. No decision reads it: a decision's spread
+  is its own pairs'.
 """
 
 from __future__ import annotations
@@ -85,12 +91,12 @@ from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
 from controller.core.evaluation import evaluation_limit
-from controller.core.noise import noise_seed, spread
+from controller.core.noise import ALPHA, detectable_gain, mean, place_seed, spread
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
                                        PromotionResult, RunObservation, World, baseline_run_name,
-                                       candidate_confirm_run, master_run_row, noise_run_name,
+                                       master_run_row, noise_run_name,
                                        reconcile, reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
@@ -153,12 +159,19 @@ class MasterOfRecord(Protocol):
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None) -> PromotionResult:
+                margin: float, against: float | None = None,
+                places: dict | None = None) -> PromotionResult:
         """Compare-and-swap: `name` replaces the master if the master is still `parent` and
         `val_bpb` beats `against` (the value it was judged against; else the master's) by
-        more than `margin` (-inf: confirm runs already decided)."""
+        more than `margin` (-inf: the pairs already decided). `places`: the candidate's
+        values by place, the new master's."""
 
-    def set_metric(self, master: Master, val_bpb: float) -> None: ...
+    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
+        """The baseline of `master`: its val_bpb, and its value at the places it ran."""
+
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
+        """Keep the master's value at `place` if `master_hash` is still the master and the
+        place has none yet."""
 
 
 class EventSink(Protocol):
@@ -467,7 +480,7 @@ class Engine:
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
                       worktree=self._leftovers(name, st), near_duplicates=near,
-                      confirm_tries=self._confirm_tries(name, st), **self._noise_world())
+                      tries=self._tries(name, st))
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -526,8 +539,16 @@ class Engine:
                     waiting = slot is None
                 elif intent.kind == "submit":
                     slot = None  # used once
+                    if a.get("place") == 1 and a.get("program", "candidate") == "candidate":
+                        k = self._claim_test(name, st.get("parentHash") or "")
+                        if st.get("tries") != k:  # another pass claimed the count meanwhile
+                            st = {**st, "tries": k}
+                            written = self._store(name, st, written)
                     run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
                     self._tell(name, untold)
+                elif intent.kind == "set-place":
+                    with self.lock:
+                        self.master.set_place(a["master"], int(a["place"]), a["val_bpb"])
                 elif intent.kind == "cleanup-run":
                     self.backend(a["backend"]).cleanup(a["run"])
                 elif intent.kind == "cancel":
@@ -537,7 +558,7 @@ class Engine:
                         promotion = self.master.promote(
                             name, st["commit"], self.repo.candidate_source(name), a["val_bpb"],
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
-                            utcnow(), a.get("margin", 0.0), a.get("against"))
+                            utcnow(), a.get("margin", 0.0), a.get("against"), a.get("places"))
                     if promotion.promoted:
                         self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
                             "evaluate_seconds"), st.get("run") or name)
@@ -606,7 +627,7 @@ class Engine:
         w = World(name=nxt, spec=spec, lab=self._world_lab(), master=self.master.master(), now=utcnow(),
                   status=st, spec_error=spec_error, generation=obs.generation, deleting=False, slot=slot,
                   recorded=self.ledger.has_run(st.get("run") or run_name(nxt)),
-                  worktree=self._leftovers(nxt, st), **self._noise_world())
+                  worktree=self._leftovers(nxt, st), tries=self._tries(nxt, st))
         decision = reconcile(w)
         submit = next((i for i in decision.intents if i.kind == "submit"), None)
         if submit is None or "materialise" in decision.kinds() \
@@ -631,7 +652,7 @@ class Engine:
                  st: dict) -> RunRequest:
         assert spec is not None
         limit = None
-        if a.get("program") == "master":  # a confirm run of the master it was built on
+        if a.get("program") == "master":  # a pair run of the master it was built on
             source = self.repo.source_of(self.repo.resolve_parent(st["parentHash"])["commit"])
         else:
             source = self.repo.candidate_source(obs.name)
@@ -640,7 +661,7 @@ class Engine:
                           candidate_source=source,
                           slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
-                          overrides=spec.hf, owner=obs.owner, seed=int(a.get("seed") or 0),
+                          overrides=spec.hf, owner=obs.owner, seed=self._seed_of(a),
                           eval_limit=limit)
 
     # -- how long a candidate's evaluation may take ----------------------------------------------
@@ -706,9 +727,7 @@ class Engine:
     def baseline(self) -> BaselineState:
         """Measure a master nobody has measured (see the module docstring for the policy)."""
         m = self.master.master()
-        if m.val_bpb is not None:
-            if self.wants_noise():  # minDelta auto: the margin needs the lab's noise first
-                return self.measure_noise(self.lab.noise_runs)
+        if m.place(1) is not None:
             return BaselineState()
         attempt = 1 + sum(1 for r in self.ledger.rows()
                           if r.get("experiment_id") == "baseline"
@@ -736,7 +755,7 @@ class Engine:
                 self.events.lab(Event("Normal", "BaselineSubmitted",
                                       f"The master {m.hash[:12]} has no val_bpb yet; run {name} "
                                       "measures it first."))
-                backend.submit(self._baseline_request(m, name, a["slot"]))
+                backend.submit(self._baseline_request(m, name, a["slot"], self._place_seed(1)))
                 state.state = "running"
             elif intent.kind == "record":
                 self._record(dict(a["row"], backend=self.default_backend), None, None)
@@ -745,7 +764,7 @@ class Engine:
                                       f"The master {m.hash[:12]} measures val_bpb "
                                       f"{a['val_bpb']:.6f}; experiments may run."))
                 with self.lock:
-                    self.master.set_metric(m, a["val_bpb"])
+                    self.master.set_metric(m, a["val_bpb"], {1: a["val_bpb"]})
                 self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name)
                 backend.cleanup(name)
                 self.book.release(name)
@@ -775,57 +794,65 @@ class Engine:
                           budget_seconds=self.lab.budget_seconds, gpus=BASELINE_GPUS,
                           owner=self.lab_owner, seed=seed)
 
-    # -- the lab's noise ----------------------------------------------------------------------------
+    # -- places, tests and the lab's noise -------------------------------------------------------
+    def _place_seed(self, place: int) -> int:
+        return place_seed(self._noise_key(), place)
+
+    def _seed_of(self, a: dict) -> int:
+        """The harness seed of a submit: its place's (a status of an older controller may name
+        a seed of its own instead)."""
+        if a.get("place"):
+            return self._place_seed(int(a["place"]))
+        return int(a.get("seed") or 0)
+
+    def _tests_file(self, master_hash: str):
+        return self.paths.state / "tests" / f"{master_hash}.json"
+
+    def _tests(self, master_hash: str) -> list[str]:
+        try:
+            names = json.loads(self._tests_file(master_hash).read_text())
+        except (OSError, ValueError):
+            return []
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+    def _tries(self, name: str, st: dict) -> int:
+        """Which test against its master an experiment's decision is (its level): its place
+        among the experiments that began one against that master, or the next place."""
+        if st.get("tries"):
+            return int(st["tries"])
+        names = self._tests(st.get("parentHash") or self.master.master().hash)
+        return names.index(name) + 1 if name in names else len(names) + 1
+
+    def _claim_test(self, name: str, master_hash: str) -> int:
+        """Count `name`'s decision against `master_hash` (once) and say which test it is.
+
+        Counted when its first run is submitted, whatever ends it: a candidate that voids its
+        unlucky runs (a harness error, a lost run) and is applied again under a new name takes
+        a new, stricter place each time, so the tests against one master together spend at
+        most 2 * ALPHA however many there are."""
+        with self.lock:
+            names = self._tests(master_hash)
+            if name not in names:
+                names.append(name)
+                atomic_write(self._tests_file(master_hash), json.dumps(names) + "\n")
+            return names.index(name) + 1
+
     def noise_record(self) -> dict | None:
-        """The lab's measured noise, if it was measured for this profile and budget."""
+        """What `autolab noise` measured, if it measured the current master at this profile and
+        budget (a record of another master says nothing of this one's spread)."""
         try:
             doc = json.loads(self.paths.noise_file.read_text())
         except (OSError, ValueError):
             return None
         if not isinstance(doc, dict) or doc.get("profile") != self.lab.profile \
                 or doc.get("budgetSeconds") != self.lab.budget_seconds \
-                or not isinstance(doc.get("sigma"), (int, float)):
+                or doc.get("master") != self.master.master().hash \
+                or not isinstance(doc.get("acrossSeeds"), (int, float)):
             return None
         return doc
 
-    def _confirm_tries(self, name: str, st: dict) -> int:
-        """Which confirm test against its master an experiment in confirm runs would be: one
-        more than the other experiments with a candidate's confirm run recorded against that
-        master (their tests were made, or are being made, before its own verdict). The
-        ledger is read only for an experiment in confirm runs.
-
-        A confirm run recorded without a value (`error`, `failed`: a harness error, a lost
-        Job) counts as well: it ended its experiment with no test made, but the series was
-        drawn. A candidate that could end its own run so (it has trained and can judge its
-        luck by its loss before it exports) would otherwise drop each unlucky series and be
-        tested, at the first test's level, on the one lucky series it let finish. Counted
-        whatever ended it, a series it drops still spends its share of the 2 * ALPHA that all
-        tests against one master may spend."""
-        against = st.get("parentHash")
-        if not st.get("confirm") or not against:
-            return 1
-        others = {r.get("experiment_id") for r in self.ledger.rows()
-                  if r.get("parent_hash") == against
-                  and r.get("candidate_hash") not in ("", against)
-                  and r.get("experiment_id") != name
-                  and candidate_confirm_run(r.get("run_id") or "", r.get("experiment_id") or "")}
-        return 1 + len(others)
-
-    def _noise_world(self) -> dict:
-        """What the core reads of the lab's noise: sigma, its degrees of freedom, and the
-        master's val_bpb averaged over the repeat runs of the master they came from."""
-        doc = self.noise_record()
-        if doc is None:
-            return {}
-        out = {"noise": float(doc["sigma"]), "noise_df": max(0, int(doc.get("runs", 0)) - 1)}
-        m = self.master.master()
-        if doc.get("master") == m.hash and m.val_bpb is not None and doc.get("values"):
-            values = [float(v) for v in doc["values"]] + [m.val_bpb]
-            out["reference"] = round(sum(values) / len(values), 6)
-        return out
-
     def _noise_key(self) -> bytes:
-        """The lab's secret for noise runs' seeds (`noise_seed`), kept in its state directory,
+        """The lab's secret for the places' seeds (`place_seed`), kept in its state directory,
         which no run can read; made once."""
         path = self.paths.state / "noise.key"
         try:
@@ -839,91 +866,100 @@ class Engine:
         atomic_write(path, key.decode())
         return path.read_bytes()
 
-    def wants_noise(self) -> bool:
-        return self.lab.min_delta == "auto" and self.noise_record() is None
-
     def measure_noise(self, runs: int) -> BaselineState:
-        """One step of measuring the lab's noise: `runs` repeat runs of the master, places 1..,
-        each on a seed drawn from the lab's secret (`noise_seed`).
+        """One step of `autolab noise`: the master at places 1..`runs`, and once more at each.
 
-        Each run is `noise-<lab>-<hash>-s<place>` with its own ledger row (status `noise`, or
-        `error`); a seed whose run failed is replaced by the next one, up to BASELINE_ATTEMPTS
-        failures. When `runs` values are in, their spread is written to research/live/noise.json
-        (kept per profile and budget; the lab's `minDelta: auto` and confirm test read it).
-        Names are deterministic, so a step after a restart adopts the runs in flight, and
-        asking again for the same number of runs reads the ledger instead of running.
+        The master's run at place i (`noise-<lab>-<hash>-p<i>`) is kept on the master: the
+        candidates that reach place i are compared with it and run nothing for it. The repeat
+        (`noise-<lab>-<hash>-r<i>`, the same program on the same seed) shows the GPU's own
+        run-to-run noise: the spread of a paired difference when nothing changed. A run that
+        failed is not replaced (its row says error; `autolab noise` says so and stops). Names
+        are deterministic, so a step after a restart adopts the runs in flight, and asking
+        again reads the ledger instead of running.
         """
         m = self.master.master()
-        if m.val_bpb is None:
+        if m.place(1) is None:
             return BaselineState(None, "waiting", "the master's baseline comes first")
         rows = {r.get("run_id"): r for r in self.ledger.rows()}
-        values: list[float] = []
-        failures = 0
         backend = self.backend(self.default_backend)
         state = BaselineState(None, "waiting")
-        seed = 0
-        pending: list[int] = []
-        while len(values) + len(pending) < runs:
-            seed += 1
-            name = noise_run_name(self.lab_name, m, seed)
+        wanted = [(p, "p") for p in range(1, runs + 1) if m.places.get(p) is None] + \
+            [(p, "r") for p in range(1, runs + 1)]
+        for place, kind in wanted:
+            name = noise_run_name(self.lab_name, m, place, kind)
             row = rows.get(name)
             if row is not None:
-                try:
-                    values.append(float(row["val_bpb"]))
-                    continue
-                except (KeyError, ValueError):
-                    failures += 1
-                    if failures >= BASELINE_ATTEMPTS:
-                        return BaselineState(name, "failed", f"{failures} noise runs failed; the "
-                                             f"last was {name} (see its log and ledger row)")
-                    continue
-            pending.append(seed)
-        for seed in pending:
-            name = noise_run_name(self.lab_name, m, seed)
+                if row.get("status") == "error":
+                    return BaselineState(name, "failed", f"noise run {name} failed: "
+                                         f"{row.get('comment') or 'see its log'}")
+                if kind == "p":  # recorded, but the master did not take it (a crash between)
+                    with self.lock:
+                        self.master.set_place(m.hash, place, float(row["val_bpb"]))
+                continue
             obs = backend.observe(name)
             if obs.state == "missing":
                 slot = self.book.hold(name)
                 if slot is None:
                     continue  # every slot is busy: a later step submits it
-                backend.submit(self._baseline_request(m, name, slot,
-                                                      noise_seed(self._noise_key(), m.hash, seed)))
+                backend.submit(self._baseline_request(m, name, slot, self._place_seed(place)))
                 state = BaselineState(name, "running")
                 continue
             if obs.state in ("queued", "running"):
                 self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
                 state = BaselineState(name, "running")
                 continue
-            row, _ = master_run_row(m, obs)
-            if row["status"] == "baseline":
+            row, val = master_run_row(m, obs)
+            if kind == "r" and row["status"] == "baseline":
                 row["status"] = "noise"
             row.update(experiment_id="noise", backend=self.default_backend,
-                       hypothesis=f"Repeat run {seed} of the master: the noise.")
+                       hypothesis=f"The master at place {place}" + (
+                           ", again: the GPU's own noise." if kind == "r" else "."))
             self._record(row, None, None)
-            if row["status"] == "noise":  # a lab measured before the bound: learned here
-                self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name, replace=False)
+            if kind == "p" and val is not None:
+                with self.lock:
+                    self.master.set_place(m.hash, place, val)
             backend.cleanup(name)
             self.book.release(name)
             state = BaselineState(name, "running")  # the next step reads its row
-        if values and len(values) >= runs:
-            return self._noise_measured(m, values[:runs])
-        return state
+        if state.state == "running":
+            return state
+        m = self.master.master()
+        rows = {r.get("run_id"): r for r in self.ledger.rows()}
+        places = [m.places.get(p) for p in range(1, runs + 1)]
+        repeats = [rows.get(noise_run_name(self.lab_name, m, p, "r"), {}).get("val_bpb")
+                   for p in range(1, runs + 1)]
+        if any(v is None for v in places) or any(v in (None, "") for v in repeats):
+            return state
+        return self._noise_measured(m, [float(v) for v in places], [float(v) for v in repeats])
 
-    def _noise_measured(self, m: Master, values: list[float]) -> BaselineState:
-        sigma = spread(values)
-        if sigma is None:
-            return BaselineState(None, "failed", "the noise needs at least two runs")
-        doc = {"sigma": round(sigma, 6), "mean": round(sum(values) / len(values), 6),
-               "runs": len(values), "values": values, "master": m.hash,
-               "profile": self.lab.profile, "budgetSeconds": self.lab.budget_seconds,
+    def _noise_measured(self, m: Master, places: list[float], repeats: list[float]) -> BaselineState:
+        across = spread(places)
+        paired = spread([r - p for r, p in zip(repeats, places)])
+        if across is None or paired is None:
+            return BaselineState(None, "failed", "the noise needs at least two places")
+        cap = self.lab.pairs_cap
+        factor = detectable_gain(ALPHA, cap)
+        doc = {"master": m.hash, "experiment": m.experiment, "profile": self.lab.profile,
+               "budgetSeconds": self.lab.budget_seconds, "places": places, "repeats": repeats,
+               "acrossSeeds": round(across, 6), "paired": round(paired, 6),
+               "mean": round(mean(places), 6), "cap": cap,
+               "detectableSds": factor, "detectable": round(factor * paired, 6),
                "measuredAt": utcnow()}
         old = self.noise_record()
-        if old is None or old.get("values") != values:
+        if old is None or old.get("places") != places or old.get("repeats") != repeats:
             atomic_write(self.paths.noise_file, json.dumps(doc, indent=2) + "\n")
-            self.events.lab(Event("Normal", "NoiseMeasured",
-                                  f"{len(values)} repeat runs of master {m.hash[:12]}: sigma "
-                                  f"{sigma:.6f} val_bpb (mean {doc['mean']:.6f})."))
+            self.events.lab(Event("Normal", "NoiseMeasured", noise_summary(doc)))
             self.events.lab_changed()
-        return BaselineState(None, "measured", f"sigma {sigma:.6f}")
+        return BaselineState(None, "measured", noise_summary(doc))
+
+
+def noise_summary(doc: dict) -> str:
+    """One line of what `autolab noise` measured, and on which master."""
+    return (f"master {str(doc.get('master'))[:12]} ({doc.get('experiment') or 'seed'}): across "
+            f"{len(doc.get('places') or [])} seeds sd {doc.get('acrossSeeds')}, paired (the same "
+            f"seed twice) sd {doc.get('paired')}; the first test against it promotes a gain of "
+            f"{doc.get('detectable')} ({doc.get('detectableSds')} paired sds) 9 times in 10 "
+            f"within {doc.get('cap')} pairs")
 
 
 def _evaluate_seconds(result: dict | None) -> object:

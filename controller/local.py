@@ -159,11 +159,17 @@ class LocalMaster:
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None) -> PromotionResult:
-        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin, against)
+                margin: float, against: float | None = None,
+                places: dict | None = None) -> PromotionResult:
+        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin, against,
+                                     places)
 
-    def set_metric(self, master: Master, val_bpb: float) -> None:
-        self.lab.repo.set_master_metric(val_bpb)
+    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
+        if self.lab.repo.master().hash == master.hash:
+            self.lab.repo.set_master_metric(val_bpb, places)
+
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
+        self.lab.repo.set_place(master_hash, place, val_bpb)
 
 
 class LocalEvents:

@@ -237,15 +237,20 @@ class ClusterMaster:
 
     def promote(self, name: str, commit: str, source: str, val_bpb: float,
                 hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None) -> PromotionResult:
+                margin: float, against: float | None = None,
+                places: dict | None = None) -> PromotionResult:
         result = self.rt.store.promote(name, source, commit, val_bpb, parent, margin, now,
-                                       against)
+                                       against, places)
         self.rt.sync()
         return result
 
-    def set_metric(self, master: Master, val_bpb: float) -> None:
-        self.rt.store.set_metric(master.hash, val_bpb)
+    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
+        self.rt.store.set_metric(master.hash, val_bpb, places)
         self.rt.sync()
+
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
+        if self.rt.store.set_place(master_hash, place, val_bpb):
+            self.rt.sync()
 
 
 class ClusterEvents:
@@ -307,11 +312,11 @@ class ClusterEvents:
 
 
 def _noise_status(doc: dict | None) -> dict | None:
-    """The Lab status's `noise`: what `autolab noise` (or minDelta auto) measured."""
+    """The Lab status's `noise`: what `autolab noise` measured on the current master."""
     if doc is None:
         return None
-    return {"sigma": doc.get("sigma"), "runs": doc.get("runs"), "mean": doc.get("mean"),
-            "budgetSeconds": doc.get("budgetSeconds"), "measuredAt": doc.get("measuredAt")}
+    return {k: doc.get(k) for k in ("master", "acrossSeeds", "paired", "detectable", "cap",
+                                    "budgetSeconds", "measuredAt")}
 
 
 class LabRuntime:

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from controller.core.noise import CONFIRM_SEEDS, confirm_seeds
 from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
                                        beats, next_run, reconcile, reconcile_baseline)
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -147,7 +146,7 @@ def test_min_delta_margin():
     d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW,
                         status=st("Running", job=JOB), run=ok(0.995)))
     assert d.status["outcome"] == "Rejected"
-    assert "by more than 0.01" in d.status["message"]
+    assert "not above promotion.minDelta 0.01" in d.status["message"]
 
 
 def test_spec_edit_after_checks_is_ignored_not_rerun():
@@ -275,130 +274,6 @@ def test_a_queued_experiment_is_rebased_onto_the_current_master_before_it_starts
     assert d.status["phase"] == "Duplicate" and "submit" not in d.kinds()
 
 
-def test_a_win_is_confirmed_by_fresh_runs_of_both_programs():
-    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=2)
-    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01, entropy=7,
-              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
-              run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}}))
-    d = reconcile(w)
-    assert (d.status["phase"], d.status["reason"]) == ("Confirming", "ConfirmRuns")
-    assert "promote" not in d.kinds() and not d.status.get("job")
-    # The confirm runs' seeds are drawn from the world's entropy once, when they start, and
-    # kept in the status: the same world gives the same seeds, another draw others.
-    seeds = d.status["confirm"]["seeds"]
-    assert seeds == confirm_seeds(7, 2) == reconcile(w).status["confirm"]["seeds"]
-    assert reconcile(dataclasses.replace(w, entropy=8)).status["confirm"]["seeds"] != seeds
-    names = []
-    status = d.status
-    vals = {"c": 0.97, "m": 1.0}
-    for _ in range(4):  # c1, m1, m2, c2
-        d = reconcile(dataclasses.replace(w, status=status, run=None, slot="0"))
-        (sub,) = [i for i in d.intents if i.kind == "submit"]
-        names.append((sub.args["run"], sub.args["program"], sub.args["seed"]))
-        run = RunObservation(sub.args["run"], "succeeded",
-                             result={"metrics": {"val_bpb": vals[sub.args["run"][-2]]}})
-        d = reconcile(dataclasses.replace(w, status=d.status, run=run))
-        status = d.status
-    # the i-th run of each program on the i-th seed: paired, and no seed says the place
-    assert names == [("exp-e-1-c1", "candidate", seeds[0]), ("exp-e-1-m1", "master", seeds[0]),
-                     ("exp-e-1-m2", "master", seeds[1]), ("exp-e-1-c2", "candidate", seeds[1])]
-    assert seeds != [CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 2]
-    (promote,) = [i for i in d.intents if i.kind == "promote"]
-    assert promote.args["val_bpb"] == 0.97  # the fresh runs' mean, not the lucky first run
-    from controller.core.reconcile import PromotionResult
-    d = reconcile(dataclasses.replace(w, status=status, run=None,
-                                      promotion=PromotionResult(True, 1.0)))
-    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
-        ("Succeeded", "Promoted", "Confirmed")
-    (row,) = [i.args["row"] for i in d.intents if i.kind == "record"]
-    assert row["run_id"] == "exp-e-1" and row["promoted"] == "1"
-
-
-def test_confirm_seeds_are_drawn_distinct_and_do_not_tell_a_run_its_place():
-    """A confirm run's seed reaches its candidate. Drawn from the world's entropy, the seeds
-    are distinct, above every noise run's, repeatable from one draw, and at one place differ
-    from draw to draw (odd and even alike: a seed no longer says whether the master runs
-    next). A status from an older controller, which drew none, keeps CONFIRM_SEEDS + i."""
-    for entropy in range(50):
-        seeds = confirm_seeds(entropy, 20)
-        assert len(set(seeds)) == 20
-        assert all(CONFIRM_SEEDS < x <= CONFIRM_SEEDS + 2**31 for x in seeds)
-    assert confirm_seeds(3, 5) == confirm_seeds(3, 5) != confirm_seeds(4, 5)
-    assert {confirm_seeds(e, 5)[2] % 2 for e in range(20)} == {0, 1}
-    older = st("Confirming", run="exp-e-1",
-               confirm={"runs": 2, "candidate": [0.97], "master": [1.0]})
-    assert next_run("e", older) == {"name": "exp-e-1-m2", "program": "master",
-                                    "seed": CONFIRM_SEEDS + 2}
-    older["confirm"]["seeds"] = [5_000_017, 6_000_011]
-    assert next_run("e", older)["seed"] == 6_000_011
-
-
-def test_a_confirmation_inside_the_noise_is_not_promoted():
-    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
-    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
-                confirm={"runs": 2, "candidate": [0.995, 1.0], "master": [1.0],
-                         "seeds": [870216655, 41337090]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=41337090))
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
-                        status=status, run=RunObservation("exp-e-1-m2", "succeeded",
-                                                          result={"metrics": {"val_bpb": 1.0}})))
-    assert "promote" not in d.kinds()
-    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
-        ("Succeeded", "Rejected", "WithinNoise")
-
-
-def test_minimum_delta_auto_waits_for_the_noise_then_uses_it():
-    lab = dataclasses.replace(LAB, min_delta="auto")
-    queued = st("Queued", parentHash="a" * 40, queuedAt=NOW)
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, status=queued))
-    assert d.intents == [] and any(c["reason"] == "WaitingForNoise" for c in d.status["conditions"])
-    # sigma 0.01: the margin is 3.5 * 0.01 * sqrt(2) = 0.0495; a 0.02 win is not enough, and
-    # is inside the noise (2 * 0.01 * sqrt(2) = 0.028)
-    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.98}})
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
-                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
-                        run=run))
-    assert "promote" not in d.kinds() and d.status["reason"] == "Rejected"
-    assert d.status["verdict"] == "WithinNoise"
-    # 0.06 clears the margin: one lucky draw could, so fresh runs of both decide (two each,
-    # the lab asked for none); a lab that asks for none (`confirmRuns: 0`) promotes on it
-    run = RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.94}})
-    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01,
-              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0), run=run)
-    d = reconcile(w)
-    assert "promote" not in d.kinds()
-    assert (d.status["phase"], d.status["reason"]) == ("Confirming", "ConfirmRuns")
-    assert d.status["confirm"]["runs"] == 2 and "beyond the margin 0.0494975" in d.status["message"]
-    d = reconcile(dataclasses.replace(w, lab=dataclasses.replace(lab, confirm_runs=0)))
-    assert "promote" in d.kinds()
-
-
-def test_a_lucky_no_op_under_the_default_margin_is_confirmed_away():
-    """Noise mining: variants that change nothing, applied until one draw clears the margin.
-    The draw that picked the win is not part of the verdict, so it buys nothing."""
-    lab = dataclasses.replace(LAB, min_delta="auto", confirm_runs=None)
-    w = World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.01, noise_df=2,
-              status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1"),
-              run=RunObservation("exp-e-1", "succeeded", result={"metrics": {"val_bpb": 0.93}}))
-    d = reconcile(w)
-    assert d.status["phase"] == "Confirming" and "promote" not in d.kinds()
-    status = d.status
-    fresh = {"c1": 1.004, "m1": 0.998, "c2": 0.993, "m2": 1.003}  # the same program, twice
-    for _ in range(4):
-        d = reconcile(dataclasses.replace(w, status=status, run=None, slot="0"))
-        (sub,) = [i for i in d.intents if i.kind == "submit"]
-        run = RunObservation(sub.args["run"], "succeeded",
-                             result={"metrics": {"val_bpb": fresh[sub.args["run"][-2:]]}})
-        d = reconcile(dataclasses.replace(w, status=d.status, run=run))
-        status = d.status
-    assert "promote" not in d.kinds()
-    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
-        ("Succeeded", "Rejected", "WithinNoise")
-    # a numeric margin with nothing asked: one run decides, as the lab said
-    d = reconcile(dataclasses.replace(w, lab=dataclasses.replace(lab, min_delta=0.05)))
-    assert "promote" in d.kinds()
-
-
 def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master():
     from controller.core.reconcile import promotion_refused
     current = {"hash": "9" * 40, "val_bpb": 0.95, "experiment": "first"}
@@ -420,76 +295,173 @@ def test_the_compare_and_swap_refuses_a_candidate_whose_parent_is_not_the_master
 T_TABLE = {(1, 0.025): 12.706, (2, 0.025): 4.303, (5, 0.025): 2.571, (10, 0.025): 2.228,
            (30, 0.025): 2.042, (120, 0.025): 1.980, (5, 0.005): 4.032, (10, 0.005): 3.169,
            (30, 0.005): 2.750}
+AUTO = dataclasses.replace(LAB, min_delta="auto")  # the default: pairs, judged one at a time
+PLACED = dataclasses.replace(MASTER, places={1: 1.0, 2: 1.01})
 
 
-def test_the_confirm_test_pools_the_labs_noise_and_is_never_too_lenient():
-    from controller.core.noise import confirm, t_crit
+def finished(run, val):
+    return RunObservation(run, "succeeded", result={"metrics": {"val_bpb": val}})
+
+
+def drive(w, values, steps=30):
+    """Reconcile `w` until it stops submitting: each submitted run ends with values[run]."""
+    submitted, d = [], reconcile(w)
+    for _ in range(steps):
+        subs = [i for i in d.intents if i.kind == "submit"]
+        if not subs:
+            return d, submitted
+        (sub,) = subs
+        submitted.append((sub.args["run"], sub.args["program"], sub.args["place"]))
+        d = reconcile(dataclasses.replace(w, status=d.status,
+                                          run=finished(sub.args["run"], values[sub.args["run"]])))
+        if d.status["phase"] in ("Succeeded", "Failed") or "promote" in d.kinds():
+            return d, submitted
+        d = reconcile(dataclasses.replace(w, status=d.status, run=None, slot="0"))
+    raise AssertionError("did not settle")
+
+
+def test_the_students_t_quantiles_match_the_printed_tables():
+    from controller.core.noise import t_crit
     for (df, alpha), printed in T_TABLE.items():
         assert abs(t_crit(df, alpha) - printed) < 0.0006, (df, alpha)  # tables round
     assert t_crit(10) > t_crit(11) > t_crit(12) and t_crit(10, 0.001) > t_crit(10)
-    # a difference of 1.5 standard errors is not enough; of 3 it is
-    assert not confirm([0.99, 1.0], [1.0, 1.01], sigma=0.01, sigma_df=10).promote
-    assert confirm([0.97, 0.96, 0.97], [1.0, 1.0, 0.99], sigma=0.01, sigma_df=10).promote
-    # no measured noise: the fresh runs' own spread, with their few degrees of freedom
-    v = confirm([0.97, 0.96], [1.0, 0.99])
-    assert v.critical == t_crit(2) and not v.promote
 
 
-def test_a_confirmed_win_on_a_master_that_moved_gets_a_follow_up():
-    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=1)
-    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
-                metrics={"val_bpb": 0.98},
-                confirm={"runs": 1, "candidate": [0.97], "master": [], "seeds": [870216655]},
-                job=dict(JOB, name="exp-e-1-m1", program="master", seed=870216655))
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, noise=0.001,
-                        noise_df=10, status=status, entropy=7,
-                        run=RunObservation("exp-e-1-m1", "succeeded",
-                                           result={"metrics": {"val_bpb": 1.0}})))
-    assert "promote" not in d.kinds()
+def test_pairs_go_place_by_place_and_reuse_the_masters_values():
+    """A candidate 0.01 better on every seed. Place 1 and 2: the master has values (its
+    baseline, an earlier candidate's master run), so only the candidate runs. Place 3: the
+    candidate first, then the master, whose value is kept on the master for later candidates.
+    Three pairs with no spread: promoted at their mean, with its values as the new master's."""
+    w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0",
+              status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
+    values = {"exp-e-1": 0.99, "exp-e-1-p2": 1.0, "exp-e-1-p3": 0.995, "exp-e-1-m3": 1.005}
+    d, submitted = drive(w, values)
+    assert submitted == [("exp-e-1", "candidate", 1), ("exp-e-1-p2", "candidate", 2),
+                         ("exp-e-1-p3", "candidate", 3), ("exp-e-1-m3", "master", 3)]
+    (promote,) = [i for i in d.intents if i.kind == "promote"]
+    assert promote.args["places"] == {"1": 0.99, "2": 1.0, "3": 0.995}
+    assert promote.args["val_bpb"] == round((0.99 + 1.0 + 0.995) / 3, 6)
+    assert d.status["pairs"]["master"] == [1.0, 1.01, 1.005]
+    assert d.status["pairs"]["verdict"]["decision"] == "promote"
+    # the master's run at place 3 was kept for the next candidate (`set-place`), during the pass
+    # that read it; its row and the candidate's pair rows were recorded as they finished
+
+
+def test_the_masters_run_at_a_place_is_kept_on_the_master():
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
+                pairs={"candidate": [0.99, 1.0, 0.995], "master": [1.0, 1.01]},
+                job=dict(JOB, name="exp-e-1-m3", program="master", place=3))
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, status=status,
+                        run=finished("exp-e-1-m3", 1.005)))
+    (keep,) = [i for i in d.intents if i.kind == "set-place"]
+    assert keep.args == {"master": "a" * 40, "place": 3, "val_bpb": 1.005}
+    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert [(r["run_id"], r["candidate_hash"]) for r in rows][0] == ("exp-e-1-m3", "a" * 40)
+    # measured meanwhile by another candidate: taken, no run spent
+    status["job"] = None
+    placed = dataclasses.replace(PLACED, places={1: 1.0, 2: 1.01, 3: 1.004})
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=placed, now=NOW, status=status,
+                        slot="0"))
+    assert "submit" not in d.kinds() and d.status["pairs"]["master"][-1] == 1.004
+
+
+def test_a_clear_loser_stops_after_one_run():
+    w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0",
+              status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
+    d, submitted = drive(w, {"exp-e-1": 1.05})
+    assert submitted == [("exp-e-1", "candidate", 1)]
+    assert (d.status["phase"], d.status["outcome"], d.status["verdict"]) == \
+        ("Succeeded", "Rejected", "WithinNoise")
+    assert d.status["delta"] == 0.05 and "no better than the master" in d.status["message"]
+
+
+def test_a_no_op_is_rejected_on_its_own_pairs_spread():
+    """A variant that changes nothing (another SEED): its gains straddle zero."""
+    w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0",
+              status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
+    d, submitted = drive(w, {"exp-e-1": 0.98, "exp-e-1-p2": 1.02})
+    assert len(submitted) == 2 and d.status["outcome"] == "Rejected"
+    assert d.status["pairs"]["verdict"]["decision"] == "reject"
+
+
+def test_each_test_against_one_master_is_made_at_a_lower_level():
+    from controller.core.noise import test_alpha
+    assert [round(test_alpha(k), 6) for k in (1, 2, 3)] == [0.025, round(0.05 / 6, 6),
+                                                           round(0.05 / 12, 6)]
+    w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0", tries=3,
+              status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
+    d = reconcile(w)
+    assert d.status["tries"] == 3  # fixed when its first run is submitted
+    d, _ = drive(w, {"exp-e-1": 1.05})
+    assert d.status["pairs"]["verdict"]["alpha"] == round(0.05 / 12, 6)
+
+
+def test_the_sequential_test_waits_for_a_spread_and_stops_losers_early():
+    from controller.core.noise import decide
+    # the issue's MATRIX_LR = 0.022 pairs at 45 s on an H100: a real gain, shown on the 4th
+    gains = [0.0059, 0.0065, 0.0081]
+    assert decide(gains[:1]).decision == "continue"
+    assert decide(gains[:2]).decision == "continue"  # no look before three pairs
+    step = decide(gains)
+    assert step.decision == "continue" and 10.3 < step.t < 10.5
+    assert decide(gains + [0.0068]).decision == "promote"
+    assert decide([-0.001]).decision == "reject"                  # worse on the first seed
+    assert decide([0.004, -0.0035]).decision == "reject"          # within one standard error
+    assert decide([0.01] * 10, cap=10).decision == "promote"
+    assert decide([0.01, 0.009, 0.011, 0.01], min_delta=0.02).decision == "reject"
+
+
+def test_a_promotion_refused_because_another_landed_first_is_followed_up():
+    """Two winners on one master decided together: the compare-and-swap lets the first in and
+    refuses the second (MasterMoved). The second is not Rejected: it is rebased onto the new
+    master and measured there, attempt 2."""
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
+                metrics={"val_bpb": 0.975}, job=JOB,
+                pairs={"candidate": [0.975], "master": [1.0], "verdict": {
+                    "decision": "promote", "explain": "1 pair", "why": "a real gain"}})
+    refused = PromotionResult(False, 0.98, "moved to first", "MasterMoved")
+    d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MOVED, now=NOW, status=status,
+                        promotion=refused))
     assert (d.status["phase"], d.status["reason"], d.status["attempt"]) == \
         ("Confirming", "FollowUp", 2)
-    # straight to fresh confirm runs of the rebased candidate and the new master, on seeds
-    # drawn afresh
-    assert d.status["confirm"] == {"runs": 1, "candidate": [], "master": [],
-                                   "seeds": confirm_seeds(7, 1)}
-    assert next_run("e", d.status) == {"name": "exp-e-2-c1", "program": "candidate",
-                                       "seed": confirm_seeds(7, 1)[0]}
-    rows = [i.args["row"]["run_id"] for i in d.intents if i.kind == "record"]
-    assert rows == ["exp-e-1-m1", "exp-e-1"]
+    assert d.status.get("outcome") is None and "pairs" not in d.status
+    assert "measured again there" in d.status["message"]
+    (row,) = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert (row["run_id"], row["reason"], row["promoted"]) == ("exp-e-1", "FollowUp", "0")
 
 
-def test_confirm_runs_stop_when_the_master_moves_between_them():
-    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=3)
-    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+def test_pairs_stop_when_the_master_moves_between_them():
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
                 metrics={"val_bpb": 0.98},
-                confirm={"runs": 3, "candidate": [0.97], "master": [1.0]})
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MOVED, now=NOW, status=status,
+                pairs={"candidate": [0.98], "master": [1.0]})
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=MOVED, now=NOW, status=status,
                         slot="0"))
-    assert "submit" not in d.kinds(), "no confirm run is spent on a pair that cannot promote"
+    assert "submit" not in d.kinds(), "no pair is spent on a decision that cannot promote"
     assert (d.status["reason"], d.status["attempt"]) == ("FollowUp", 2)
+    # one whose pairs already reject it ends so
+    status["pairs"] = {"candidate": [0.98, 1.02], "master": [1.0, 1.0]}
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=MOVED, now=NOW, status=status,
+                        slot="0"))
+    assert (d.status["phase"], d.status["outcome"]) == ("Succeeded", "Rejected")
 
 
-def test_with_confirm_runs_even_a_large_single_run_win_is_confirmed_first():
-    """One run that clears the margin is still one lucky run: with confirm runs the master's
-    val_bpb is never that run's."""
-    lab = dataclasses.replace(LAB, min_delta=0.01, confirm_runs=2)
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW,
-                        status=st("Running", job=JOB, parentHash="a" * 40, parentValBpb=1.0),
-                        run=RunObservation("exp-e-1", "succeeded",
-                                           result={"metrics": {"val_bpb": 0.5}})))
-    assert "promote" not in d.kinds() and d.status["phase"] == "Confirming"
+def test_a_masters_pair_run_that_fails_is_not_held_against_the_candidate():
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
+                pairs={"candidate": [0.99, 1.0, 0.995], "master": [1.0, 1.01]},
+                job=dict(JOB, name="exp-e-1-m3", program="master", place=3))
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, status=status,
+                        run=RunObservation("exp-e-1-m3", "failed", result={
+                            "status": "failed", "reason_code": "CandidateCrashed"})))
+    assert (d.status["phase"], d.status["reason"]) == ("Failed", "PairRunLost")
+    rows = {i.args["row"]["run_id"]: i.args["row"] for i in d.intents if i.kind == "record"}
+    assert rows["exp-e-1"]["status"] == "error"  # may run again
 
 
-def test_a_confirmed_difference_below_a_numeric_min_delta_is_not_promoted():
-    lab = dataclasses.replace(LAB, min_delta=0.05, confirm_runs=2)
-    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
-                confirm={"runs": 2, "candidate": [0.97, 0.97], "master": [1.0],
-                         "seeds": [870216655, 41337090]},
-                job=dict(JOB, name="exp-e-1-m2", program="master", seed=41337090))
-    d = reconcile(World(name="e", spec=SPEC, lab=lab, master=MASTER, now=NOW, noise=0.001,
-                        noise_df=10, status=status,
-                        run=RunObservation("exp-e-1-m2", "succeeded",
-                                           result={"metrics": {"val_bpb": 1.0}})))
-    assert "promote" not in d.kinds()
-    assert (d.status["outcome"], d.status["reason"]) == ("Rejected", "Rejected")
-    assert "too small to promote" in d.status["message"]
+def test_a_status_from_before_pairs_is_measured_again_in_pairs():
+    old = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1",
+             metrics={"val_bpb": 0.97},
+             confirm={"runs": 2, "candidate": [0.97], "master": [1.0], "seeds": [5, 6]})
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, status=old))
+    assert (d.status["reason"], d.status["attempt"]) == ("FollowUp", 2)
+    assert "confirm" not in d.status
+    assert next_run("e", d.status) == {"name": "exp-e-2", "program": "candidate", "place": 1}

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import yaml
 
-from controller.core.noise import MARGIN_Z, margin
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
@@ -56,11 +55,11 @@ def cmd_init(a) -> int:
     m = lab.repo.master()
     print(f"lab {lab.name} initialised in {lab.root}")
     print(f"master {m.hash[:12]} (commit {m.commit[:10]}); profile {a.profile}, data {a.data}")
-    if lab.lab.min_delta == "auto":
-        print(f"promotion: minDelta auto: the first `autolab run` measures the master's noise "
-              f"({lab.lab.noise_runs} repeat runs) before it judges an experiment; a win must clear "
-              "that noise, then fresh runs of it and of the master confirm it (`--min-delta 0` "
-              "would promote any improvement on one run, luck included)")
+    if not lab.lab.one_pair_decides:
+        print(f"promotion: each candidate runs on the master's secret seeds, one at a time, and "
+              f"is judged on its paired differences after each run (at most "
+              f"{lab.lab.pairs_cap} pairs): a clear loser stops after one run; `autolab noise` "
+              "says which gains this machine and budget can show")
     cmd = autolab_command()
     print(f"next: `cd {a.dir}`, write a spec (`{cmd} worktree NAME`, `{cmd} new NAME`), then "
           f"`{cmd} apply -f FILE` and `{cmd} run`{activate_hint()}")
@@ -331,21 +330,21 @@ def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
 
 
 def cmd_noise(a) -> int:
-    """`autolab noise --runs N`: the master's baseline, then N repeat runs (each on a harness
-    seed drawn from the lab's secret, `noise_seed`)."""
+    """`autolab noise --runs N`: the master at places 1..N (kept for its candidates) and once
+    more at each; what the lab can see at this budget (`Engine.measure_noise`)."""
     if a.runs < 2:
         raise CliError(f"--runs {a.runs}: the spread needs at least 2 runs; pass --runs 3 or more")
     lab = LocalLab(a.lab)
     _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
     engine = lab.engine
-    print(f"noise: {a.runs} repeat runs of the master ({lab.lab.profile} profile, budget "
-          f"{lab.lab.budget_seconds or 'the profile default'} s); each differs only in the "
-          "harness seed", flush=True)
+    print(f"noise: the master at {a.runs} of the lab's secret seeds, and each again "
+          f"({lab.lab.profile} profile, budget {lab.lab.budget_seconds or 'the profile default'}"
+          " s); values the master has already are reused", flush=True)
     shown = None
     while True:
-        state = engine.baseline() if engine.master.master().val_bpb is None \
+        state = engine.baseline() if engine.master.master().place(1) is None \
             else engine.measure_noise(a.runs)
-        if engine.master.master().val_bpb is not None and state.state == "measured" \
+        if engine.master.master().place(1) is not None and state.state == "measured" \
                 and engine.noise_record() is not None:
             break
         if state.state == "failed":
@@ -356,11 +355,16 @@ def cmd_noise(a) -> int:
             shown = state.run
         time.sleep(a.interval)
     doc = engine.noise_record() or {}
-    values = ", ".join(f"{v:.6f}" for v in doc.get("values", []))
-    print(f"sigma {doc['sigma']:.6f} val_bpb over {doc['runs']} runs (mean {doc['mean']:.6f}; "
-          f"{values})")
-    print(f"written to {lab.paths.noise_file}; with promotion.minDelta auto the margin is "
-          f"{margin('auto', doc['sigma']):.6f} ({MARGIN_Z:g} sigma of a two-run difference)")
+    pairs = ", ".join(f"{p:.6f}/{r:.6f}" for p, r in zip(doc["places"], doc["repeats"]))
+    print(f"master {doc['master'][:12]} ({doc.get('experiment') or 'seed'}), place by place "
+          f"(run/again): {pairs}")
+    print(f"across seeds: sd {doc['acrossSeeds']:.6f} val_bpb (what an unpaired comparison "
+          "fights)")
+    print(f"paired, the same seed twice: sd {doc['paired']:.6f} (the GPU's own noise; a "
+          "change that moves the initialisation spreads wider, and its own pairs say so)")
+    print(f"smallest gain the first test against this master promotes 9 times in 10 within "
+          f"{doc['cap']} pairs: {doc['detectable']:.6f} ({doc['detectableSds']} paired sds)")
+    print(f"written to {lab.paths.noise_file}; no decision waits for it or reads it")
     return 0
 
 
@@ -604,10 +608,15 @@ def cmd_master(a) -> int:
     print(f"experiment: {d.get('experiment') or '(seed)'}")
     print(f"commit:     {d['commit']}")
     print(f"promotions: {len(d.get('history', [])) - 1}")
+    places = d.get("places") or {}
+    print("places:     " + (", ".join(f"{k}: {number(v)}" for k, v in sorted(
+        places.items(), key=lambda kv: int(kv[0]))) if places else "none yet"))
     noise = lab.engine.noise_record()
-    print("noise:      " + (f"sigma {noise['sigma']} over {noise['runs']} repeat runs "
-                            f"(budget {noise.get('budgetSeconds') or 'default'} s)"
-                            if noise else "not measured (`autolab noise --runs 5`)"))
+    print("noise:      " + (f"across seeds sd {noise['acrossSeeds']}, paired sd "
+                            f"{noise['paired']}, detectable {noise['detectable']} (measured on "
+                            f"this master, {noise['master'][:12]}, budget "
+                            f"{noise.get('budgetSeconds') or 'default'} s)"
+                            if noise else "not measured on this master (`autolab noise --runs 5`)"))
     return 0
 
 def cmd_crds(a) -> int:

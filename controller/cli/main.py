@@ -19,7 +19,6 @@ from controller.backends import BackendConfigError
 from controller.lab.harness import HarnessError
 from controller.cli import authoring, completion, demo, hf, lab, operator
 from controller.cli.output import REPO_ROOT, CliError, one_line
-from controller.core.noise import MARGIN_Z
 from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
@@ -75,10 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="adopt a lab in the seed's layout: its train.py is the master, its "
                          "research/results.tsv rows are kept (marked Imported)")
     sp.add_argument("--min-delta", type=_min_delta_arg, default="auto", metavar="auto|NUMBER",
-                    help="what one run must beat the master by to be promoted (promotion.minDelta): "
-                         "auto (the default) measures the lab's noise first and asks for "
-                         f"{MARGIN_Z:g} sigma of a two-run difference; a number is taken as "
-                         "written, 0 promotes any improvement, noise included")
+                    help="promotion.minDelta: auto (the default) promotes any gain the paired, "
+                         "sequential test shows real; a number lets one pair decide: the first "
+                         "run must beat the master's run on the same seed by more than it")
     sp.add_argument("--keep-metric", action="store_true",
                     help="with --from: take the master's val_bpb from SEED_DIR/research/live/"
                          "master.json instead of measuring it again")
@@ -92,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--unsafe-no-sandbox", action="store_true",
                     help="run candidates without bubblewrap (only for code you trust; every "
                          "result says so)")
-    sp = add("noise", lab.cmd_noise, "measure the master's run-to-run spread (sigma of val_bpb) "
-             "on this machine and budget: repeat runs, each on a harness seed drawn from the lab's secret")
-    sp.add_argument("--runs", type=int, default=5, help="repeat runs of the master (at least 2)")
+    sp = add("noise", lab.cmd_noise, "what this machine and budget let the lab see: the master "
+             "across the lab's secret seeds, the same seeds again, and the smallest gain it detects")
+    sp.add_argument("--runs", type=int, default=5, help="seeds to measure the master on (at least 2)")
     sp.add_argument("--unsafe-no-sandbox", action="store_true",
                     help="run without bubblewrap (only for code you trust)")
     sp.add_argument("--interval", type=float, default=1.0, help="seconds between checks")

@@ -1,43 +1,51 @@
-"""How far apart two runs of one program land, and what that makes a win.
+"""How the lab tells a real gain from noise: paired runs, one decision per pair.
 
-The same `train.py` run twice lands at two val_bpb values: the seed, the data
-order and the machine move it. A lab that promotes on one run against one run
-promotes noise. This module holds the numbers of that judgement, pure:
+The same `train.py` run twice lands at two val_bpb values. Most of that spread
+comes from what two programs can share: the harness seed, which sets the order
+of the training data and (through `SEED`) the initialisation. Measured on an
+H100 at a 45-s budget (`bench/perf/promotion_bench.py` says where), the master
+spread 0.0048 across seeds, while a real change (`MATRIX_LR = 0.022`) moved
+every seed by -0.0059 to -0.0081: an sd of 0.0011 around its mean. Compared
+like with like, a gain of a few thousandths shows; compared across seeds, it
+drowns. So the lab compares like with like:
 
-- `spread(values)`: the master's spread, from repeat runs that differ only in
-  the seed the harness sets (`autolab noise`).
-- `margin(min_delta, sigma)`: what one run must beat the master by. A number
-  is taken as written; `auto` is `MARGIN_Z * sigma * sqrt(2)`: the difference
-  of two single runs has a standard deviation of sigma * sqrt(2), and sigma is
-  itself estimated from a few runs, so the margin is wide (3.5 of those):
-  noise alone clears it in about one comparison in 4,000 when sigma is right,
-  and in about one in 50 when sigma came out 40 % low.
-- `confirm_runs(min_delta, asked, gain, need)`: how many confirm runs a first
-  run that beat the master by `gain` needs before a verdict. With `auto` and
-  nothing asked (the default), a win beyond the margin is confirmed by
-  AUTO_CONFIRM_RUNS runs of each program: the margin is a screen, one draw
-  against a sigma estimated from a few runs, so an agent that submits many
-  behaviourally equal variants (another SEED, a dead constant) would buy a lucky
-  draw sooner or later (about one in 50 when sigma came out 40 % low); a fresh
-  test on runs that did not pick the win makes that draw worthless. Asked for
-  (`promotion.confirmRuns: N`), every improvement is confirmed, one inside the
-  margin too: more sensitive, and more runs. 0 asks for none.
-- `confirm(candidate, master, noise, alpha)`: the test a confirmed win must
-  pass: N fresh runs of the candidate and N of the master, on harness seeds of
-  their own (`confirm_seeds`: drawn at random above CONFIRM_SEEDS, paired, none a
-  noise run's, none telling a run its place), and a one-sided
-  two-sample Student's t-test at level `alpha` that the candidate's mean is
-  lower. The level is `confirm_alpha(tries)`: ALPHA for the
-  first test against a master, and less for each later one against the same
-  master (2 * ALPHA / (k * (k + 1)) for the k-th), so however many variants a
-  campaign sends through confirm runs against one master, noise gets at most
-  2 * ALPHA of false promotions out of all of them together, not ALPHA each.
-  The variance is pooled from the fresh runs and, when the lab measured its
-  noise, from those repeat runs too (their degrees of freedom count). The
-  first run, which picked the win, is not part of the test, so its luck cannot
-  carry the decision.
-- `within_noise(difference, sigma)`: a difference inside NOISE_Z two-run
-  standard deviations is "no measurable effect", not a regression.
+- **Places.** The lab draws a sequence of secret harness seeds from its key
+  (`place_seed`): place 1, 2, 3, ... A candidate's i-th run takes place i, and
+  so does the master's run it is compared with (common random numbers). The
+  master's value at each place is measured once and reused by every candidate;
+  a promoted candidate's own runs become the new master's values, so a
+  promotion needs no new baseline.
+- **Pairs, judged as they come** (`decide`). After each pair the lab decides:
+  promote, reject, or one more pair. The variance is the pairs' own, so a
+  candidate that spreads wide (another `SEED`: a new initialisation on every
+  seed) only makes its own test harder, and no spread measured on another
+  program, an older master included, enters a decision.
+- **The test.** A one-sample Student's t on the paired gains (master minus
+  candidate), looked at after pairs FIRST_LOOK..cap, with the test's level
+  split evenly over those looks (Bonferroni): whatever the stopping, noise
+  passes with probability at most the level. We chose this over an SPRT or a
+  mixture (always-valid) likelihood ratio because the spread is unknown and
+  differs from program to program: the scale-invariant mixture (a Bayes factor
+  on the t statistic) needs 6 to 8 pairs for a gain of 3 paired sds where the
+  split t needs 4 to 5 (`bench/perf/promotion_bench.py --sequential` prints
+  both). A pair cannot judge its own spread, so no look comes before
+  FIRST_LOOK; futility stops come earlier, since stopping to reject never
+  raises the chance of a false promotion: a candidate no better than the
+  master so far (mean gain <= 0) stops at once, one whose gains sit within
+  FUTILITY_T standard errors of zero stops from the second pair on.
+- **The level.** ALPHA for the first test against a master, and less for each
+  later one: 2 * ALPHA / (k * (k + 1)) for the k-th (`test_alpha`), counted
+  when its first pair starts. However many candidates an agent sends against
+  one master, noise gets at most 2 * ALPHA of false promotions from all of them
+  together.
+- **What the lab can see** (`detectable_gain`): the smallest gain, in paired
+  sds, that the first test against a master promotes with 90 % power within
+  the cap. `autolab noise` multiplies it by the paired sd it measures.
+
+A lab may ask for one pair to decide (`promotion.confirmRuns: 0`, or a number
+for `minDelta` with confirmRuns unsaid): the candidate is promoted when its
+place-1 run beats the master's place-1 value by more than minDelta. That is
+for labs that know their own noise (a deterministic stand-in, a smoke test).
 """
 
 from __future__ import annotations
@@ -46,70 +54,39 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
-MARGIN_Z = 3.5          # `minDelta: auto` = 3.5 sigma of a difference of two single runs
-NOISE_Z = 2.0           # |difference| <= 2 sigma of a two-run difference: no measurable effect
-ALPHA = 0.025           # one-sided level of the confirm test
-# Repeat runs of the master that measure sigma when a lab does not say (`promotion.noiseRuns`).
-# sigma from n runs is itself noisy, and an underestimate narrows the margin: a program that
-# changes nothing clears the `auto` margin in about one try in 40 with 3 runs, one in 190 with
-# 5 and one in 900 with 8 (Monte Carlo over the estimate, the thirteenth session's RESULTS).
-NOISE_RUNS = 5
-# Confirm runs of each program for a win beyond the `auto` margin when the lab asks for none:
-# with the lab's noise runs pooled in, two of each give the t-test 4-5 degrees of freedom, so
-# a true win at the margin (4.9 sigma) passes about nine times in ten and a lucky draw of a
-# no-op passes one time in 40.
-AUTO_CONFIRM_RUNS = 2
-# Harness seeds of confirm runs lie above this: the i-th confirm run of the candidate and of
-# the master both take the i-th of the seeds `confirm_seeds` drew (paired: the same data order
-# for both programs), never a seed the lab's noise runs took (1..noiseRuns, and the few that
-# replace a failed one). A machine that reproduces a seed closely (a GPU nearly does) would
-# otherwise give the master's confirm runs the values of its noise runs, and the test would
-# count those draws twice. An experiment confirmed by an older controller has no drawn seeds
-# in its status; its i-th confirm runs take CONFIRM_SEEDS + i, as they always did.
-CONFIRM_SEEDS = 1000
-# How many seeds above CONFIRM_SEEDS a confirm run's seed is drawn from: enough that a run
-# that reads its seed learns nothing from it (two experiments share a seed at one place about
-# once in two billion), and below 2**32 - 43, so train.py's SEED = 42 + seed fits any RNG.
-CONFIRM_SEED_RANGE = 2**31
+ALPHA = 0.025           # one-sided level of the first test against a master
+FIRST_LOOK = 3          # the first pair count at which the test may promote (2 df)
+FUTILITY_T = 1.0        # from 2 pairs on: a gain this few standard errors from zero stops
+MAX_PAIRS = 10          # the cap on pairs of one decision (`promotion.maxPairs`)
+POWER = 0.9             # what `detectable_gain` asks of the test
+NOISE_RUNS = 5          # places `autolab noise` measures when the lab does not say
+# Harness seeds of places lie above this (seed 0 was the first run's, 1..N the old noise runs).
+PLACE_SEEDS = 1000
+# How many seeds above PLACE_SEEDS a place's seed is drawn from: enough that a run that reads its
+# seed learns nothing of its place, and below 2**32 - 43, so SEED = 42 + seed fits any RNG.
+PLACE_SEED_RANGE = 2**31
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
-# Each follow-up answers a promotion, so the count is bounded anyway; the cap bounds what one
-# experiment spends while a lab keeps promoting others.
 MAX_ATTEMPTS = 10
 
 
-def confirm_seeds(entropy: int, n: int) -> list[int]:
-    """The harness seeds of `n` pairs of confirm runs: n distinct seeds, drawn from `entropy`.
+def place_seed(key: bytes, place: int) -> int:
+    """The harness seed of `place` (1, 2, ...), drawn from the lab's secret `key`.
 
-    A run's seed reaches the candidate (as `$AUTOLAB_SEED`, and through the training data's
-    start offset), and confirm runs go in a fixed order (c1 m1 m2 c2 c3 m3 ...; see
-    `controller.core.reconcile.next_run`). Seeds that counted up (1001, 1002, ...) told a
-    candidate its place, and its place tells it whose run comes next on its machine: the
-    master's exactly after c1, c3, c5. A candidate that left the machine slow (a hot GPU, an
-    emptied page cache) only then slowed the master's runs and none of its own, and won by it.
-    Seeds drawn at random from a range far larger than any lab's confirm runs say nothing of
-    the place; the order stays fixed, and what a candidate leaves behind falls on both
-    programs alike in expectation, whatever it guesses.
-
-    Pure: the randomness is `entropy` (the `World` carries one draw of the front end's), so
-    the same entropy gives the same seeds. They are kept in the Experiment's status, which no
-    run can read, and drawn once, when the confirm runs start.
-    """
-    rng = random.Random(entropy)
-    return rng.sample(range(CONFIRM_SEEDS + 1, CONFIRM_SEEDS + 1 + CONFIRM_SEED_RANGE), n)
+    The same key and place give the same seed, so every candidate and the master meet at place
+    i on the same data order and initialisation, and a restarted controller adopts its runs.
+    A run sees its seed (`$AUTOLAB_SEED`, its data); seeds drawn from a secret key say nothing
+    of the place, so a candidate cannot tell which run of a decision it is, nor a promoted
+    program which places its successors will be judged on."""
+    digest = hashlib.sha256(key + f":place:{place}".encode()).digest()
+    return PLACE_SEEDS + 1 + int.from_bytes(digest[:8], "big") % PLACE_SEED_RANGE
 
 
-def noise_seed(key: bytes, master_hash: str, i: int) -> int:
-    """The harness seed of the `i`-th noise run (repeat run of the master `master_hash`).
-
-    Seeds 1..N told a run it was a noise run (first runs take 0, confirm runs take seeds drawn
-    above CONFIRM_SEEDS): a promoted program could keep a payload for those seeds alone (train
-    a fixed model there, or a wild one) and set the lab's sigma, margin and reference when the
-    noise is measured again on it, with no screen or confirm run ever seeing it. A seed from
-    the lab's secret `key` (never in a run's reach) looks like any confirm seed, and the same
-    key, master and place give the same seed, so a restarted controller adopts its runs."""
-    digest = hashlib.sha256(key + f":{master_hash}:{i}".encode()).digest()
-    return CONFIRM_SEEDS + 1 + int.from_bytes(digest[:8], "big") % CONFIRM_SEED_RANGE
+def test_alpha(tries: int) -> float:
+    """The level of the `tries`-th test against one master (1: ALPHA). Sums to 2 * ALPHA."""
+    k = max(1, tries)
+    return 2 * ALPHA / (k * (k + 1))
 
 
 def mean(xs: list[float]) -> float:
@@ -124,34 +101,7 @@ def spread(values: list[float]) -> float | None:
     return math.sqrt(sum((x - m) ** 2 for x in values) / (len(values) - 1))
 
 
-def margin(min_delta: float | str, sigma: float | None) -> float | None:
-    """What one run must beat the master by; None when `auto` has no measured sigma yet."""
-    if min_delta == "auto":
-        return None if sigma is None else MARGIN_Z * sigma * math.sqrt(2)
-    return float(min_delta)
-
-
-def confirm_runs(min_delta: float | str, asked: int | None, gain: float | None,
-                 need: float) -> int:
-    """How many confirm runs of each program a first run that beat the master by `gain`
-    needs (0: that run decides, against the margin `need`).
-
-    `asked` is `promotion.confirmRuns` (None: the lab did not say).
-    """
-    if gain is None or gain <= 0:
-        return 0
-    if asked is None:
-        return AUTO_CONFIRM_RUNS if min_delta == "auto" and gain > need else 0
-    return asked
-
-
-def confirm_alpha(tries: int) -> float:
-    """The level of the `tries`-th confirm test against one master (1: the first, ALPHA).
-    The levels sum to 2 * ALPHA over any number of tests."""
-    k = max(1, tries)
-    return 2 * ALPHA / (k * (k + 1))
-
-
+@lru_cache(maxsize=512)
 def t_crit(df: int, alpha: float = ALPHA) -> float:
     """The one-sided (1 - alpha) quantile of Student's t with `df` degrees of freedom (2.571
     for 5 at 0.025), found by bisection on the distribution's upper tail."""
@@ -203,42 +153,93 @@ def _beta_regularised(a: float, b: float, x: float) -> float:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    promote: bool
-    difference: float      # master mean - candidate mean (positive: the candidate is better)
-    standard_error: float
-    critical: float        # how many standard errors the difference must reach (Student's t)
-    alpha: float = ALPHA   # the test's level (see `confirm_alpha`)
+class Step:
+    """What the pairs so far decide: `promote`, `reject` or `continue` (one more pair)."""
+
+    decision: str
+    pairs: int
+    gain: float                 # mean of master - candidate over the pairs (positive: better)
+    standard_error: float       # of that mean (inf with one pair)
+    t: float                    # gain / standard_error
+    critical: float             # what t must pass at this look (inf: no look yet)
+    low: float                  # a 95 % interval on the gain (two-sided, Student's t)
+    high: float
+    alpha: float
+    why: str                    # why it stopped, or why it goes on, in a sentence
 
     def explain(self) -> str:
-        word = "passes" if self.promote else "fails"
-        return (f"confirm runs: the candidate's mean is {self.difference:+.6f} better than the "
-                f"master's, {self.difference / self.standard_error if self.standard_error else 0:.2f}"
-                f" standard errors ({self.standard_error:.6f}; a one-sided t-test at "
-                f"{self.alpha:.3g} needs {self.critical:.2f}): it {word}")
+        se = "" if not math.isfinite(self.standard_error) else \
+            f" +- {self.standard_error:.6f} (t = {self.t:.2f}"
+        need = "" if not se else (f"; {self.critical:.2f} needed at level {self.alpha:.3g})"
+                                  if math.isfinite(self.critical) else ")")
+        return (f"{self.pairs} pair{'s' if self.pairs != 1 else ''}: gain {self.gain:+.6f}"
+                f"{se}{need}: {self.why}")
 
 
-def within_noise(difference: float, sigma: float | None) -> bool:
-    return sigma is not None and abs(difference) <= NOISE_Z * sigma * math.sqrt(2)
+def decide(gains: list[float], alpha: float = ALPHA, cap: int = MAX_PAIRS,
+           min_delta: float = 0.0) -> Step:
+    """The sequential test on paired gains (master - candidate at each place, in order).
 
-
-def confirm(candidate: list[float], master: list[float], sigma: float | None = None,
-            sigma_df: int = 0, alpha: float = ALPHA) -> Verdict:
-    """The confirm test on fresh runs of both programs (see the module docstring).
-
-    `sigma` and `sigma_df` are the lab's measured noise and its degrees of freedom (repeat
-    runs minus one); they are pooled with the fresh runs' own spread. `alpha` is the level.
+    Stops to reject when the mean gain is not above zero, when from the second pair on it
+    lies within FUTILITY_T standard errors of zero, or at the cap; stops to promote when, from
+    FIRST_LOOK pairs on, the t statistic passes the one-sided quantile at alpha / looks and the
+    mean gain is above `min_delta` (a number the lab asked for; 0 with `auto`).
     """
-    d = mean(master) - mean(candidate)
-    n, m = len(candidate), len(master)
-    ss = sum((x - mean(candidate)) ** 2 for x in candidate) + \
-        sum((x - mean(master)) ** 2 for x in master)
-    df = n + m - 2
-    if sigma is not None and sigma_df > 0:
-        ss += sigma ** 2 * sigma_df
-        df += sigma_df
-    pooled = math.sqrt(ss / df) if df > 0 else math.inf
-    se = pooled * math.sqrt(1 / n + 1 / m)
-    crit = t_crit(df, alpha)
-    promote = math.isfinite(se) and d > 0 and d > crit * se
-    return Verdict(promote, d, se, crit, alpha)
+    n = len(gains)
+    g = mean(gains)
+    sd = spread(gains) if n >= 2 else None
+    se = math.inf if sd is None else sd / math.sqrt(n)
+    t = (math.inf if g > 0 else -math.inf) if se == 0 else (g / se if math.isfinite(se) else 0.0)
+    looks = max(1, cap - FIRST_LOOK + 1)
+    crit = t_crit(n - 1, alpha / looks) if n >= FIRST_LOOK else math.inf
+    half = t_crit(n - 1, 0.025) * se if n >= 2 and se > 0 else (0.0 if se == 0 else math.inf)
+    step = dict(pairs=n, gain=g, standard_error=se, t=t, critical=crit, low=g - half,
+                high=g + half, alpha=alpha)
+    if g <= 0:
+        return Step("reject", why="no better than the master on these seeds", **step)
+    if n >= 2 and t < FUTILITY_T:
+        return Step("reject", why=f"within {FUTILITY_T:g} standard error of no effect", **step)
+    if t > crit:
+        if g > min_delta:
+            return Step("promote", why="a real gain", **step)
+        return Step("reject", why=f"a real gain, but not above promotion.minDelta {min_delta:g}",
+                    **step)
+    if n >= cap:
+        return Step("reject", why=f"not shown within the cap of {cap} pairs", **step)
+    return Step("continue", why="one more pair decides", **step)
+
+
+def one_pair(gain: float, min_delta: float) -> Step:
+    """The decision of a lab that lets one pair decide: promote above `min_delta`."""
+    win = gain > min_delta
+    return Step("promote" if win else "reject", 1, gain, math.inf, 0.0, math.inf, -math.inf,
+                math.inf, 0.0, f"{'above' if win else 'not above'} promotion.minDelta "
+                               f"{min_delta:g} on one pair")
+
+
+@lru_cache(maxsize=64)
+def detectable_gain(alpha: float = ALPHA, cap: int = MAX_PAIRS, power: float = POWER,
+                    trials: int = 4000) -> float:
+    """The smallest gain, in paired sds, that `decide` promotes with `power` within `cap`.
+
+    The test is scale-free, so this is one number per level and cap; found by bisection over
+    `trials` simulated decisions on normal pairs (a fixed generator: the same answer each time).
+    """
+    def promoted(delta: float) -> float:
+        rng = random.Random(12345)
+        hits = 0
+        for _ in range(trials):
+            gains: list[float] = []
+            while True:
+                gains.append(rng.gauss(delta, 1.0))
+                step = decide(gains, alpha, cap)
+                if step.decision != "continue":
+                    hits += step.decision == "promote"
+                    break
+        return hits / trials
+
+    lo, hi = 0.0, 8.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if promoted(mid) < power else (lo, mid)
+    return round(hi, 2)

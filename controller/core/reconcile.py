@@ -4,26 +4,30 @@
 experiment (its spec, its last status, the master, the checks on its
 candidate, its run) and returns the status it should have now plus the
 intents that move the world one step towards the spec. It does no I/O, reads
-no clock (the time is part of the world) and draws no random numbers (what it
-needs, the seeds of confirm runs, comes from the world's `entropy`), so the
-kopf operator and the local loop share it, and tables of worlds test it.
+no clock (the time is part of the world) and draws no random numbers (a run's
+harness seed is the engine's, from the lab's secret and the run's place), so
+the kopf operator and the local loop share it, and tables of worlds test it.
 
     Pending -> Invalid | Duplicate | Conflict
     Pending -> Queued -> Running -> Succeeded (outcome Promoted | Rejected) | Failed
-    Running -> Confirming -> Succeeded   (measured again before the verdict)
+    Running -> Confirming -> Succeeded   (more pairs before the verdict)
     any non-terminal phase -> Cancelled (the spec was deleted)
 
 The master moves only by real, cumulative improvements:
 
 - A queued experiment is rebased onto the current master right before its run
   starts (a conflict ends it Conflict, an empty result Duplicate).
-- A run judged after the master moved is judged against its own parent's
-  measurement; if it won there, a rebased follow-up run (attempt 2, then 3)
-  measures it on the current master, and only that run can promote it.
-- A win is confirmed before it is promoted (`controller.core.noise.confirm_runs`
-  says when: with `minDelta: auto`, the default, every win beyond the margin;
-  every improvement when the lab asks for confirm runs): fresh runs of the
-  candidate and of its master, then the test in `controller.core.noise`.
+- A decision is made on pairs (`controller.core.noise`): the candidate's run at
+  place i against the master's value at place i (the same secret harness seed),
+  judged after each pair: promote, reject, or one more pair. The master's value
+  at a place is measured once (a run `exp-<name>-<attempt>-m<i>`, after the
+  candidate's own run at that place) and kept on the master for every later
+  candidate; a promoted candidate's runs become the new master's values.
+- A candidate whose master moved while it was measured (seen before its
+  verdict, or by the compare-and-swap of its promotion) is rebased onto the new
+  master and measured again there from its first pair (a follow-up, attempt 2,
+  then 3), unless its pairs so far already reject it. Only pairs against the
+  current master can promote.
 
 Every intent is idempotent and every one that must happen at a terminal phase
 (recording the ledger row, removing the worktree) is issued again until the
@@ -36,12 +40,10 @@ run that exists instead of starting a second one.
 from __future__ import annotations
 
 import copy
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.noise import (CONFIRM_SEEDS, MAX_ATTEMPTS, confirm, confirm_alpha,
-                                   confirm_runs, confirm_seeds, margin, mean, within_noise)
+from controller.core.noise import MAX_ATTEMPTS, Step, decide, mean, one_pair, test_alpha
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
@@ -65,6 +67,17 @@ class Master:
     commit: str
     val_bpb: float | None = None
     experiment: str | None = None
+    # Its val_bpb at each place (the i-th secret harness seed): measured once, reused by every
+    # candidate; a promoted candidate's own runs. Keys are places (1, 2, ...).
+    places: dict = field(default_factory=dict)
+
+    def place(self, i: int) -> float | None:
+        """The master's value at place `i`. A master measured before places (its val_bpb from
+        one run on seed 0) stands for place 1 with that value."""
+        v = self.places.get(i)
+        if v is None and i == 1 and not self.places:
+            return self.val_bpb
+        return v
 
 
 @dataclass(frozen=True)
@@ -127,17 +140,10 @@ class World:
     promotion: PromotionResult | None = None
     recorded: bool = False
     worktree: bool = False
-    noise: float | None = None  # the lab's measured sigma for its profile and budget
-    noise_df: int = 0           # its degrees of freedom (repeat runs - 1)
-    reference: float | None = None  # the master's val_bpb averaged over its repeat runs, if any
     near_duplicates: tuple[str, ...] = ()  # judged experiments that made the same move
-    # Which confirm test against the current master this one would be (1: the first): other
-    # experiments with a candidate's confirm run against it, plus one. It sets the test's level.
-    confirm_tries: int = 1
-    # Randomness for what must be secret from a candidate: the seeds of confirm runs (see
-    # `controller.core.noise.confirm_seeds`). It is drawn when the front end builds the World,
-    # so reconcile stays a function of its input and tests can pin it.
-    entropy: int = field(default_factory=lambda: secrets.randbits(64))
+    # Which test against the current master this experiment's would be (1: the first): the
+    # engine counts the experiments that began one against it. It sets the test's level.
+    tries: int = 1
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -146,9 +152,10 @@ class World:
 class Intent:
     """One idempotent effect for the front end to carry out.
 
-    kinds: materialise, acquire-slot(priority, queued_at), submit(run, slot, backend,
-    program, seed), cancel(run), promote(run, val_bpb, margin), record(row), cleanup,
-    cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
+    kinds: materialise, acquire-slot(priority, queued_at, confirm), submit(run, slot, backend,
+    program, place), cancel(run), promote(run, val_bpb, places), set-place(master, place,
+    val_bpb): the master's value at a place, measured by this experiment's run; record(row),
+    cleanup, cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
     """
 
     kind: str
@@ -319,52 +326,39 @@ def _reconcile_pending(s: _Step) -> Decision:
     return _reconcile_active(s)
 
 
-def next_run(name: str, st: dict) -> dict:
-    """The run an active experiment submits next: its name, program and harness seed.
+def next_run(name: str, st: dict, master: Master | None = None) -> dict:
+    """The run an active experiment submits next: its name, program and place.
 
-    The first run of attempt n is `exp-<name>-<n>` (seed 0, as the master's baseline). Confirm
-    runs `exp-<name>-<n>-c1`, `-m1`, `-c2`, `-m2`, ... go in pairs, in the order c1 m1 m2 c2
-    c3 m3 m4 c4: each pair reverses the one before (ABBA). Runs share a machine one after
-    another, and what a run leaves behind (a hot GPU, a page cache emptied of the shards) and
-    what drifts slowly (clocks, a neighbour's load) fall on the run after it. The candidate's
-    first run comes just before c1, so in this order as many master runs as candidate runs
-    follow a candidate run, and a drift adds as much to each program's sum; c1 m1 c2 m2 put
-    every master run after a candidate run, the later run of each pair on the master, and a
-    candidate that leaves the machine slower than it found it would win by it.
+    A decision goes place by place. At place 1 the candidate's run is `exp-<name>-<attempt>`
+    (its first run; the master has a value at place 1 already: its baseline, or the runs that
+    promoted it). At place i > 1 the candidate's run `exp-<name>-<attempt>-p<i>` comes first;
+    where the master has no value at place i yet, its run `exp-<name>-<attempt>-m<i>` (the
+    parent's program) follows and is kept on the master for every later candidate. The
+    master's run always follows one of the candidate's, as the candidate's own next run does:
+    what a run leaves on the machine (a hot GPU, a page cache emptied of the shards) falls on
+    both programs alike, so a candidate gains nothing by leaving the machine slow.
 
-    The i-th confirm run of each program takes the i-th of the seeds drawn when the confirm
-    runs started (`st["confirm"]["seeds"]`; `controller.core.noise.confirm_seeds`): random,
-    none a noise run's, the candidate's and the master's the same (paired). A seed reaches the
-    candidate, so it must not say the run's place: in this fixed order the place says whose
-    run comes next, and a candidate that slowed the machine only before the master's runs
-    would win again. A status from an older controller has no seeds; its runs take
-    CONFIRM_SEEDS + i, as they did.
+    The place's harness seed is the engine's (`controller.core.noise.place_seed`, from the
+    lab's secret): the status holds only the place, and no seed says a run's place.
     """
     main = run_name(name, int(st.get("attempt") or 1))
-    c = st.get("confirm")
-    if not c:
-        return {"name": main, "program": "candidate", "seed": 0}
-    done = len(c["candidate"]) + len(c["master"])
-    candidate_first = (done // 2) % 2 == 0  # pairs 1, 3, 5, ...: candidate, then master
-    program = "candidate" if (done % 2 == 0) == candidate_first else "master"
-    i = len(c[program]) + 1
-    seeds = c.get("seeds") or []
-    seed = seeds[i - 1] if i <= len(seeds) else CONFIRM_SEEDS + i
-    return {"name": f"{main}-{program[0]}{i}", "program": program, "seed": seed}
+    p = st.get("pairs")
+    if not p:
+        return {"name": main, "program": "candidate", "place": 1}
+    n = len(p["candidate"])
+    if len(p["master"]) < n:  # the master's run at the candidate's last place
+        return {"name": f"{main}-m{n}", "program": "master", "place": n}
+    return {"name": f"{main}-p{n + 1}", "program": "candidate", "place": n + 1}
 
 
-def candidate_confirm_run(run_id: str, name: str) -> bool:
-    """Whether `run_id`, a ledger row of experiment `name`, is one of its candidate's confirm
-    runs (`next_run` names them `exp-<name>-<attempt>-c<i>`)."""
+def pair_run(run_id: str, name: str) -> bool:
+    """Whether `run_id`, a ledger row of experiment `name`, is one of its pair runs after the
+    first (`next_run` names them `exp-<name>-<attempt>-p<i>` and `-m<i>`)."""
     prefix = f"exp-{name}-"
     if not run_id.startswith(prefix):
         return False
-    attempt, _, place = run_id[len(prefix):].partition("-c")
-    return attempt.isdigit() and place.isdigit()
-
-
-def _margin(w: World) -> float | None:
-    return margin(w.lab.min_delta, w.noise)
+    attempt, _, rest = run_id[len(prefix):].partition("-")
+    return attempt.isdigit() and rest[:1] in ("p", "m", "c") and rest[1:].isdigit()
 
 
 def _moved(w: World, st: dict) -> bool:
@@ -394,40 +388,35 @@ def _take_candidate(s: _Step, c: Candidate, rebased_from: str | None,
 
 def _reconcile_active(s: _Step) -> Decision:
     w, st = s.w, s.st
-    if (st.get("confirm") or {}).get("verdict") is not None:
-        return _decide_confirmed(s)
+    if "confirm" in st:  # confirm runs of a controller before pairs: measure it again, in pairs
+        return _follow_up(s, "its confirm runs were started by an earlier controller")
+    p = st.get("pairs")
+    if p and p.get("verdict"):
+        return _decide(s)
     job = st.get("job")
-    c = st.get("confirm")
-    if not job and c and (c["candidate"] or c["master"]) and _moved(w, st) \
-            and w.promotion is None:
-        # Between two confirm runs the master moved: the rest of them would measure a pair
-        # that can no longer be promoted. Start over on the new master.
-        return _follow_up(s, (st.get("metrics") or {}).get(w.lab.metric, 0.0),
-                          st.get("parentValBpb"), done=len(c["candidate"]) + len(c["master"]))
+    if not job and p and _moved(w, st) and w.promotion is None:
+        return _master_moved(s)
     if not job:
-        if w.master.val_bpb is None:
+        if w.master.place(1) is None:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
                         "The master has no measured val_bpb yet; its baseline run comes first.")
             return s.decision()
-        if _margin(w) is None:
-            s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_NOISE,
-                        "promotion.minDelta is auto and the lab's noise is not measured yet for "
-                        "this profile and budget: the controller measures it first "
-                        "(promotion.noiseRuns), or run `autolab noise`.")
-            return s.decision()
+        nxt = next_run(w.name, st)
+        if nxt["program"] == "master" and w.master.hash == st.get("parentHash") \
+                and w.master.place(nxt["place"]) is not None:
+            # Another candidate measured the master at this place meanwhile: take its value.
+            p["master"].append(w.master.place(nxt["place"]))
+            return _judge(s)
         if w.slot is None:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_SLOT,
-                        "Waiting for a slot; confirm runs go one experiment at a time."
-                        if st.get("confirm") else "All slots are busy.")
+                        "Waiting for a slot; decisions past their first pair go one experiment "
+                        "at a time." if p else "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
             s.intents.append(Intent("acquire-slot", {
                 "priority": queue_priority(w.spec.priority if w.spec else 0, st.get("phase")),
-                "queued_at": st.get("queuedAt", ""), "confirm": bool(st.get("confirm"))}))
+                "queued_at": st.get("queuedAt", ""), "confirm": bool(p)}))
             return s.decision()
-        nxt = next_run(w.name, st)
-        fresh = not c or not (c["candidate"] or c["master"])
-        if nxt["program"] == "candidate" and fresh \
-                and st.get("parentHash") and st["parentHash"] != w.master.hash:
+        if nxt["place"] == 1 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)
             if refused is not None:
                 return refused
@@ -435,21 +424,21 @@ def _reconcile_active(s: _Step) -> Decision:
                 return s.decision()  # the rebase is under way (a materialise intent)
         backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
         st["job"] = {"backend": backend, "name": nxt["name"], "slot": w.slot,
-                     "program": nxt["program"], "seed": nxt["seed"]}
-        if nxt["name"] == run_name(w.name, int(st.get("attempt") or 1)):
+                     "program": nxt["program"], "place": nxt["place"]}
+        if nxt["place"] == 1:
             st["run"] = nxt["name"]
-            # What this run is judged against: the master's measurement, averaged over its
-            # repeat runs where there are some (one lucky baseline does not set the bar).
-            st["parentValBpb"] = w.reference if w.reference is not None else w.master.val_bpb
-        what = "" if nxt["program"] == "candidate" and not nxt["seed"] else \
-            f" ({nxt['program']}, seed {nxt['seed']})"
+            # What this run is judged against: the master's value at place 1, and which test
+            # against that master this decision is (its level).
+            st["parentValBpb"] = w.master.place(1)
+            st["tries"] = w.tries
+        what = "" if nxt["place"] == 1 else f" ({nxt['program']}, place {nxt['place']})"
         s.condition(Condition.SCHEDULED, True, Reason.SUBMITTED,
                     f"Run {nxt['name']}{what} submitted to {backend} on slot {w.slot}.")
         s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {nxt['name']}{what} on {backend}, "
                                                           f"slot {w.slot}."))
         s.intents.append(Intent("submit", {"run": nxt["name"], "slot": w.slot,
                                            "backend": backend, "program": nxt["program"],
-                                           "seed": nxt["seed"]}))
+                                           "place": nxt["place"]}))
         return s.decision()
     run = w.run
     if run is None or run.state == "missing":
@@ -458,7 +447,7 @@ def _reconcile_active(s: _Step) -> Decision:
         s.intents.append(Intent("submit", {"run": job["name"], "slot": job.get("slot"),
                                            "backend": job["backend"],
                                            "program": job.get("program", "candidate"),
-                                           "seed": job.get("seed", 0)}))
+                                           "place": job.get("place", 1)}))
         return s.decision()
     if run.job_id:
         job["id"] = run.job_id
@@ -515,8 +504,8 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     if run.state == "cancelled":
         s.phase(CANCELLED, Reason.RUN_CANCELLED, run.message or "The run was cancelled.", True)
         return _settle_terminal(s)
-    if st.get("confirm"):
-        return _confirm_run_finished(s, run)
+    if st.get("pairs"):
+        return _pair_run_finished(s, run)
     if run.state in ("failed", "error", "lost"):
         reason = {"failed": Reason.CANDIDATE_FAILED, "error": Reason.INFRASTRUCTURE_ERROR,
                   "lost": Reason.RUN_LOST}[run.state]
@@ -536,206 +525,206 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     evaluated = ((run.result or {}).get("timing") or {}).get("evaluate_seconds")
     if _finite(evaluated):  # a promoted candidate's bounds the next ones' (core.evaluation)
         st["metrics"]["evaluate_seconds"] = evaluated
-    # Judged against the master it was built on (measured when it started), not a later one.
+    # Paired with the master it was built on, at place 1 (its value when the run started).
     base = st.get("parentValBpb")
     if base is None:
-        base = w.master.val_bpb
-    if w.promotion is not None:
-        base = w.promotion.master_val_bpb
-    if base is not None:
-        st["delta"] = round(val - base, 6)
-        st["masterValBpb"] = base
-    need = _margin(w)
-    need = 0.0 if need is None else need
-    moved = _moved(w, st)
-    # A win that needs confirm runs is not promoted on this one: one run that clears the
-    # margin is still one run, picked for its luck (an agent can draw again and again with
-    # variants that change nothing), and the master's val_bpb would inherit that luck.
-    runs = confirm_runs(w.lab.min_delta, w.lab.confirm_runs,
-                        None if base is None else base - val, need)
-    won = runs == 0 and base is not None and (base - val) > need
-    if w.promotion is None and w.master.experiment != w.name and (won or runs):
-        if moved:
-            return _follow_up(s, val, base)
-        if won:
-            s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
-                        "Comparing against the master under its lock.")
-            s.intents.append(Intent("promote", {"run": st["job"]["name"], "val_bpb": val,
-                                                "margin": need, "against": base}))
-            return s.decision()
-        return _start_confirm(s, val, base, runs)
-    promoted = (w.promotion.promoted if w.promotion is not None
-                else w.master.experiment == w.name)
-    st["outcome"] = PROMOTED if promoted else REJECTED
-    if promoted:
-        msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f}; "
-               "the candidate is the new master.")
-        s.condition(Condition.PROMOTED, True, Reason.BEAT_MASTER, msg)
-        s.phase(SUCCEEDED, PROMOTED, msg)
-        return _settle_terminal(s)
-    reason = Reason.DID_NOT_BEAT_MASTER
-    msg = (f"{w.lab.metric} {val:.6f} did not beat the master's "
-           f"{base if base is None else f'{base:.6f}'} by more than {need:g}.")
-    if base is not None and within_noise(base - val, w.noise):
-        reason = Reason.WITHIN_NOISE
-        msg += (f" The difference {val - base:+.6f} is inside the lab's noise (sigma "
-                f"{w.noise:.6f}): no measurable effect.")
-    if w.promotion is not None and w.promotion.message:
-        reason, msg = w.promotion.reason or reason, w.promotion.message
-    s.condition(Condition.PROMOTED, False, reason, msg)
-    s.phase(SUCCEEDED, Reason.MASTER_MOVED if reason == Reason.MASTER_MOVED else REJECTED, msg)
-    if reason == Reason.WITHIN_NOISE:
-        st["verdict"] = Reason.WITHIN_NOISE
-    return _settle_terminal(s)
+        base = w.master.place(1)
+    st["pairs"] = {"candidate": [val], "master": [] if base is None else [base]}
+    return _judge(s)
 
 
-def _follow_up(s: _Step, val: float, base: float | None, done: int | None = None) -> Decision:
-    """It won on the master it was built on, but the master moved: measure it again, rebased.
-
-    `done`: confirm runs finished when the move was seen (they are left unused). A win that
-    needed confirm runs goes straight to confirm runs on the new master (they compare fresh
-    runs of both programs, so a new first run would add nothing to the verdict); a clear win
-    gets a new first run, which may promote it alone again.
-    """
+def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
+    """A run after the first ended: the candidate's at its place, or the master's."""
     w, st = s.w, s.st
-    attempt = int(st.get("attempt") or 1)
-    parent = st.get("parentHash") or ""
-    if attempt >= MAX_ATTEMPTS:
-        msg = master_moved(val, parent, w.master.hash, w.master.experiment)
-        st["outcome"] = REJECTED
-        s.condition(Condition.PROMOTED, False, Reason.MASTER_MOVED, msg)
-        s.phase(SUCCEEDED, Reason.MASTER_MOVED, msg + f" (after {attempt} attempts)")
-        return _settle_terminal(s)
-    job = st.get("job") or {}
-    main = st.get("run") or job.get("name") or run_name(w.name, attempt)
-    msg = (f"{w.lab.metric} {val:.6f} beat its own master {parent[:12]} ({base}), but the "
-           f"master moved to {w.master.hash[:12]} ({w.master.experiment or 'seed'}) while it "
-           f"ran{'' if done is None else f' ({done} confirm runs in)'}: a follow-up run "
-           f"rebased onto the current master, {run_name(w.name, attempt + 1)}, decides.")
-    row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
-                                      "reason": Reason.FOLLOW_UP, "message": msg})
-    if not w.recorded:
-        s.intents.append(Intent("record", {"row": row}))
-    if job:
-        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
-    st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val})
-    # Confirm runs under way start over on the new master; a win inside the margin that
-    # needed them goes straight to them; a clear win gets a new first run.
-    runs = (st.get("confirm") or {}).get("runs", 0)
-    if not runs and base is not None and base - val <= (_margin(w) or 0.0):
-        runs = confirm_runs(w.lab.min_delta, w.lab.confirm_runs, base - val, _margin(w) or 0.0)
-    for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "confirm"):
-        st.pop(k, None)
-    st["attempt"] = attempt + 1
-    st["run"] = run_name(w.name, attempt + 1)
-    if runs:
-        st["confirm"] = _fresh_confirm(w, runs)
-    s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
-    s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
-    return s.decision()
-
-
-def _start_confirm(s: _Step, val: float, base: float, n: int) -> Decision:
-    w, st = s.w, s.st
-    job = st["job"]
-    need = _margin(w) or 0.0
-    where = "inside" if base - val <= need else "beyond"
-    msg = (f"{w.lab.metric} {val:.6f} beat the master's {base:.6f} by {base - val:.6f}, {where} "
-           f"the margin {need:g}: one run is not a verdict, so {n} fresh runs each of the "
-           "candidate and the master decide.")
-    st["confirm"] = _fresh_confirm(w, n)
-    st["job"] = None
-    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
-    s.condition(Condition.CONFIRMING, True, Reason.CONFIRM_RUNS, msg)
-    s.phase(CONFIRMING, Reason.CONFIRM_RUNS, msg)
-    return s.decision()
-
-
-def _fresh_confirm(w: World, runs: int) -> dict:
-    """The status of confirm runs about to start: `runs` of each program, none done yet, and
-    their harness seeds, drawn now from the world's entropy and kept (see `next_run`)."""
-    return {"runs": runs, "candidate": [], "master": [],
-            "seeds": confirm_seeds(w.entropy, runs)}
-
-
-def _confirm_run_finished(s: _Step, run: RunObservation) -> Decision:
-    w, st = s.w, s.st
-    c, job = st["confirm"], st["job"]
+    p, job = st["pairs"], st["job"]
     program = job.get("program", "candidate")
     val = ((run.result or {}).get("metrics") or {}).get(w.lab.metric)
     ok = run.state == "succeeded" and _finite(val)
-    row = confirm_row(w.name, w.spec, st, job, run, val if ok else None)
+    row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
     s.intents.append(Intent("record", {"row": row}))
     s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
     st["job"] = None
     if not ok:
         why = (run.result or {}).get("reason") or run.message or run.state
-        msg = (f"confirm run {job['name']} ({program}) ended without a {w.lab.metric} ({why}): "
-               "no verdict, so no promotion. Apply the change again under a new name to "
-               "measure it again.")
+        if program == "master" or run.state in ("error", "lost"):
+            # Not the candidate's doing: the master's run, or the machine. Nothing is held
+            # against the candidate; its row says error, so it may run again.
+            msg = (f"pair run {job['name']} ({program}, place {job.get('place')}) ended without "
+                   f"a {w.lab.metric} ({why}): no verdict. Nothing is held against the "
+                   "candidate: apply it again under a new name.")
+            s.phase(FAILED, Reason.PAIR_RUN_LOST, msg, warning=True)
+            return _settle_terminal(s)
+        msg = (f"pair run {job['name']} (the candidate, place {job.get('place')}) failed "
+               f"({why}): no verdict, so no promotion.")
         st["outcome"] = REJECTED
         s.condition(Condition.CONFIRMING, False, Reason.NOT_CONFIRMED, msg)
         s.condition(Condition.PROMOTED, False, Reason.NOT_CONFIRMED, msg)
         s.phase(SUCCEEDED, Reason.NOT_CONFIRMED, msg, warning=True)
         return _settle_terminal(s)
-    c[program].append(val)
-    done = len(c["candidate"]) + len(c["master"])
-    if done < 2 * c["runs"]:
-        s.phase(CONFIRMING, Reason.CONFIRM_RUNS,
-                f"Confirm runs: {done} of {2 * c['runs']} done.")
-        return s.decision()
-    v = confirm(c["candidate"], c["master"], w.noise, w.noise_df,
-                confirm_alpha(w.confirm_tries))
-    c["verdict"] = {"promote": v.promote, "difference": round(v.difference, 6),
-                    "standardError": round(v.standard_error, 6),
-                    "critical": round(v.critical, 4), "alpha": round(v.alpha, 6),
-                    "tries": w.confirm_tries, "explain": v.explain()}
-    return _decide_confirmed(s)
+    p[program].append(val)
+    if program == "master":
+        s.intents.append(Intent("set-place", {"master": st.get("parentHash", ""),
+                                              "place": job.get("place"), "val_bpb": val}))
+    return _judge(s)
 
 
-def _decide_confirmed(s: _Step) -> Decision:
+def _judge(s: _Step) -> Decision:
+    """After a run: the next run of the pair, or the pairs' verdict."""
     w, st = s.w, s.st
-    c = st["confirm"]
-    v = c["verdict"]
-    val = round(mean(c["candidate"]), 6)
-    st["delta"] = round(-v["difference"], 6)
-    if not st.get("metrics"):  # an attempt that went straight to confirm runs: their mean
-        st["metrics"] = {w.lab.metric: val}
-        st["masterValBpb"] = round(mean(c["master"]), 6)
-    wins = v["promote"] and (w.lab.min_delta == "auto"
-                             or v["difference"] > float(w.lab.min_delta))
-    if w.promotion is None and wins and w.master.experiment != w.name:
+    p = st["pairs"]
+    n = len(p["candidate"])
+    if len(p["master"]) < n:  # the master's value at this place comes next
+        if _moved(w, st) and w.promotion is None:
+            return _master_moved(s)
+        if w.master.hash == st.get("parentHash") and w.master.place(n) is not None:
+            p["master"].append(w.master.place(n))
+        else:
+            msg = (f"Pair {n}: the candidate measured {p['candidate'][-1]:.6f}; the master's "
+                   f"run at this place comes next.")
+            _next_run(s)
+            s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
+            s.phase(CONFIRMING, Reason.PAIRS, msg)
+            return s.decision()
+    gains = [m - c for m, c in zip(p["master"], p["candidate"])]
+    alpha = test_alpha(int(st.get("tries") or 1))
+    step = one_pair(gains[0], w.lab.min_gain) if w.lab.one_pair_decides \
+        else decide(gains, alpha, w.lab.pairs_cap, w.lab.min_gain)
+    st["delta"] = round(-step.gain, 6)
+    st["masterValBpb"] = st.get("parentValBpb") if st.get("parentValBpb") is not None \
+        else p["master"][0]
+    if step.decision == "continue":
+        if _moved(w, st) and w.promotion is None:
+            return _master_moved(s)
+        msg = f"{step.explain()}."
+        _next_run(s)
+        s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
+        s.phase(CONFIRMING, Reason.PAIRS, msg)
+        return s.decision()
+    p["verdict"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
+    return _decide(s)
+
+
+def _next_run(s: _Step) -> None:
+    """The run that ended is done with (its own row, if it was a pair run, is recorded): its
+    backend objects go and the next run may be submitted."""
+    job = s.st.get("job")
+    if job:
+        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    s.st["job"] = None
+
+
+def _verdict(step: Step, tries: int, cap: int) -> dict:
+    def r(x: float) -> float | None:
+        return round(x, 6) if _finite(x) else None
+    return {"decision": step.decision, "pairs": step.pairs, "gain": r(step.gain),
+            "standardError": r(step.standard_error), "t": r(step.t),
+            "critical": r(step.critical), "interval": [r(step.low), r(step.high)],
+            "alpha": round(step.alpha, 6), "tries": tries, "cap": cap,
+            "why": step.why, "explain": step.explain()}
+
+
+def _decide(s: _Step) -> Decision:
+    """Carry out the pairs' verdict: promote (compare-and-swap), or end Rejected."""
+    w, st = s.w, s.st
+    p = st["pairs"]
+    v = p["verdict"]
+    val = round(mean(p["candidate"]), 6)
+    if v["decision"] == "promote" and w.promotion is None and w.master.experiment != w.name:
         if _moved(w, st):
-            return _follow_up(s, val, mean(c["master"]))
+            return _follow_up(s, "its pairs showed a gain")
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                     "Comparing against the master under its lock.")
-        s.intents.append(Intent("promote", {"run": st.get("run"), "val_bpb": val,
-                                            "margin": float("-inf")}))
+        s.intents.append(Intent("promote", {
+            "run": st.get("run"), "val_bpb": val, "margin": float("-inf"),
+            "places": {str(i + 1): c for i, c in enumerate(p["candidate"])}}))
         return s.decision()
+    if w.promotion is not None and not w.promotion.promoted \
+            and w.promotion.reason == Reason.MASTER_MOVED:
+        # The compare-and-swap found another promotion landed first: as a master that moved
+        # during the run, measure it again on the new master (issue: never lost to a race).
+        return _follow_up(s, "its pairs showed a gain, and another promotion landed first")
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
-    s.condition(Condition.CONFIRMING, False, Reason.CONFIRMED if wins
-                else Reason.WITHIN_NOISE, v["explain"])
     if promoted:
-        msg = (f"{v['explain']}. The candidate is the new master at its confirm runs' mean "
+        msg = (f"{v['explain']}. The candidate is the new master at its pairs' mean "
                f"{val:.6f}.")
+        s.condition(Condition.CONFIRMING, False, Reason.CONFIRMED, v["explain"])
         s.condition(Condition.PROMOTED, True, Reason.CONFIRMED, msg)
         s.phase(SUCCEEDED, PROMOTED, msg)
         st["verdict"] = Reason.CONFIRMED
         return _settle_terminal(s)
-    reason, msg = Reason.WITHIN_NOISE, f"{v['explain']}: no measurable effect."
-    if v["promote"] and not wins:
+    reason = Reason.WITHIN_NOISE
+    msg = f"{v['explain']}."
+    if "minDelta" in v["why"]:
         reason = Reason.DID_NOT_BEAT_MASTER
-        msg = (f"{v['explain']}, but by less than promotion.minDelta {w.lab.min_delta}: "
-               "a real difference, too small to promote.")
     if w.promotion is not None and w.promotion.message:
         reason, msg = w.promotion.reason or Reason.DID_NOT_BEAT_MASTER, w.promotion.message
+    s.condition(Condition.CONFIRMING, False, reason, v["explain"])
     s.condition(Condition.PROMOTED, False, reason, msg)
-    s.phase(SUCCEEDED, reason if reason == Reason.MASTER_MOVED else REJECTED, msg)
-    if reason == Reason.WITHIN_NOISE:
-        st["verdict"] = Reason.WITHIN_NOISE
+    s.phase(SUCCEEDED, REJECTED, msg)
+    st["verdict"] = reason
     return _settle_terminal(s)
+
+
+def _master_moved(s: _Step) -> Decision:
+    """The master moved before the verdict: pairs against the old one cannot promote. A
+    candidate its pairs already reject ends so; any other is measured again on the new one."""
+    w, st = s.w, s.st
+    p = st["pairs"]
+    n = min(len(p["candidate"]), len(p["master"]))
+    if n and not w.lab.one_pair_decides:
+        gains = [m - c for m, c in zip(p["master"][:n], p["candidate"][:n])]
+        step = decide(gains, test_alpha(int(st.get("tries") or 1)), w.lab.pairs_cap,
+                      w.lab.min_gain)
+        if step.decision == "reject":
+            p["verdict"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
+            return _decide(s)
+    elif n and p["master"][0] - p["candidate"][0] <= w.lab.min_gain:
+        p["verdict"] = _verdict(one_pair(p["master"][0] - p["candidate"][0], w.lab.min_gain),
+                                1, 1)
+        return _decide(s)
+    return _follow_up(s, f"{n} pair{'s' if n != 1 else ''} in, not decided")
+
+
+def _follow_up(s: _Step, why: str) -> Decision:
+    """It was measured on a master that is no longer the master: record what ran, rebase it
+    onto the current master, and measure it again there from its first pair."""
+    w, st = s.w, s.st
+    attempt = int(st.get("attempt") or 1)
+    parent = st.get("parentHash") or ""
+    p = st.get("pairs") or {}
+    val = (st.get("metrics") or {}).get(w.lab.metric)
+    if attempt >= MAX_ATTEMPTS:
+        msg = master_moved(val if val is not None else float("nan"), parent, w.master.hash,
+                           w.master.experiment) + f" (after {attempt} attempts)"
+        st["outcome"] = REJECTED
+        s.condition(Condition.PROMOTED, False, Reason.MASTER_MOVED, msg)
+        s.phase(SUCCEEDED, Reason.MASTER_MOVED, msg)
+        return _settle_terminal(s)
+    job = st.get("job") or {}
+    main = st.get("run") or job.get("name") or run_name(w.name, attempt)
+    msg = (f"Measured on master {parent[:12]}, but the master moved to {w.master.hash[:12]} "
+           f"({w.master.experiment or 'seed'}) before its verdict ({why}): it is rebased onto "
+           f"the current master and measured again there, {run_name(w.name, attempt + 1)} "
+           "first.")
+    if st.get("metrics"):  # its first run measured something: that run's own row
+        row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
+                                          "reason": Reason.FOLLOW_UP, "message": msg})
+        if not w.recorded:
+            s.intents.append(Intent("record", {"row": row}))
+    if job:
+        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+    st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val,
+                                          "pairs": len(p.get("candidate") or [])})
+    for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "pairs", "tries",
+              "confirm", "verdict"):
+        st.pop(k, None)
+    st["attempt"] = attempt + 1
+    st["run"] = run_name(w.name, attempt + 1)
+    s.condition(Condition.CONFIRMING, True, Reason.FOLLOW_UP, msg)
+    s.phase(CONFIRMING, Reason.FOLLOW_UP, msg)
+    return s.decision()
 
 
 def _reconcile_deleting(s: _Step) -> Decision:
@@ -808,11 +797,10 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
     }
 
 
-def confirm_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
-                run: RunObservation, val: float | None) -> dict:
-    """The ledger row of one confirm run (status `confirm`; `error` or `failed` if it failed).
-
-    A master's confirm run carries the master's hash: it is a measurement of that program.
+def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
+             run: RunObservation, val: float | None) -> dict:
+    """The ledger row of one pair run after the first (status `confirm`; `error` or `failed`
+    if it failed). A master's run carries the master's hash: it measures that program.
     """
     program = job.get("program", "candidate")
     metrics = (run.result or {}).get("metrics") or {}
@@ -821,7 +809,7 @@ def confirm_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
     row = {"run_id": job["name"], "status": status, "job_id": run.job_id or job.get("id", ""),
            "campaign": spec.campaign if spec else "", "experiment_id": name,
            "worker_id": run.worker or job.get("worker", ""),
-           "hypothesis": f"Confirm run of {name}: the {program}, seed {job.get('seed')}.",
+           "hypothesis": f"Pair run of {name}: the {program} at place {job.get('place')}.",
            "parent_hash": st.get("parentHash", ""),
            "candidate_hash": st.get("candidateHash", "") if program == "candidate"
            else st.get("parentHash", ""),
@@ -865,9 +853,10 @@ def master_run_row(master: Master, run: RunObservation) -> tuple[dict, float | N
     return row, (val if ok else None)
 
 
-def noise_run_name(lab: str, master: Master, seed: int) -> str:
-    """`noise-<lab>-<master hash>-s<seed>`: a repeat run of the master that measures the noise."""
-    return f"noise-{lab[:36]}-{master.hash[:10]}-s{seed}"
+def noise_run_name(lab: str, master: Master, place: int, kind: str = "p") -> str:
+    """`noise-<lab>-<master hash>-p<place>`: the master at a place (`autolab noise`); `-r<place>`:
+    the same again (its repeat, the GPU's own noise)."""
+    return f"noise-{lab[:36]}-{master.hash[:10]}-{kind}{place}"
 
 
 def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | None,
@@ -878,7 +867,7 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
     the slot it may take if it has to be submitted. A failed attempt asks to be tried again
     (`resubmit-baseline`); how often is the engine's policy (BASELINE_ATTEMPTS).
     """
-    if master.val_bpb is not None or run is None:
+    if master.place(1) is not None or run is None:
         return []
     name = run.name
     if run.state == "missing":

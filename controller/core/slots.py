@@ -48,7 +48,7 @@ class SlotBook:
         self.waiting: dict[str, tuple[int, str]] = {}  # experiment -> (priority, queuedAt)
         self.inflight: dict[str, str] = {}   # candidate or semantic hash -> experiment
         self.running: set[str] = set()       # experiments and baselines with a run in flight
-        # One confirmation at a time: the experiment whose confirm runs hold the lab's master
+        # One confirmation at a time: the experiment whose pairs past the first hold the master
         # (see `grant`), and those measured once that wait to start theirs.
         self.confirming: str | None = None
         self.confirm_waiting: set[str] = set()
@@ -61,7 +61,7 @@ class SlotBook:
     def observe(self, name: str, status: dict, priority: int = 0) -> None:
         """Take in one Experiment's status as last written (StatusError if it is not one)."""
         st = ExperimentStatus.parse(status)
-        confirm = isinstance(st.raw.get("confirm"), dict) and st.active
+        confirm = isinstance(st.raw.get("pairs"), dict) and st.active
         with self._lock:
             self._release(name)
             for h in [h for h, who in self.inflight.items() if who == name]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import jsonschema
 
-from controller.core.noise import AUTO_CONFIRM_RUNS, CONFIRM_SEEDS, MARGIN_Z, NOISE_RUNS
+from controller.core.noise import FIRST_LOOK, MAX_PAIRS, NOISE_RUNS
 
 GROUP = "autolab.dev"
 VERSION = "v1alpha1"
@@ -120,13 +120,14 @@ LAB_SPEC = _obj(
             "gpuSlots": _i("Concurrent runs; 0 means one per visible GPU (one on a CPU).",
                            minimum=0, maximum=1024, default=0),
         }),
-        "promotion": _obj("When a finished candidate replaces the master.", {
+        "promotion": _obj("When a finished candidate replaces the master: paired runs "
+                          "(the candidate and the master on the same secret harness seeds), "
+                          "judged after each pair by a sequential one-sided t-test.", {
             "minDelta": {
-                "description": "A run wins only if its val_bpb is lower than the master's by "
-                               "more than this: a number (0: strictly lower), or auto "
-                               f"({MARGIN_Z:g} sigma of a two-run difference, sigma from the "
-                               "lab's noise measurement, the default; such a win is then "
-                               "confirmed by fresh runs, see confirmRuns).",
+                "description": "The smallest gain worth promoting: the candidate's mean gain "
+                               "over its pairs must be above it. auto (the default): any gain "
+                               "the test shows real. A number with confirmRuns unsaid: one "
+                               "pair decides (for labs that know their noise).",
                 "default": "auto",
                 # A number or "auto". A structural CRD schema cannot say "number or string",
                 # so the CRD keeps this field untyped (crd_schema drops the anyOf) and the
@@ -134,20 +135,16 @@ LAB_SPEC = _obj(
                 "x-kubernetes-preserve-unknown-fields": True,
                 "anyOf": [{"type": "number", "minimum": 0},
                           {"type": "string", "enum": ["auto"]}]},
-            "confirmRuns": _i("Fresh runs of the candidate and of the master, this many of "
-                              "each (paired on harness seeds drawn at random above "
-                              f"{CONFIRM_SEEDS}, which do not tell a run its place; none a "
-                              "noise run's), "
-                              "that decide a win before it is promoted, by a one-sided test "
-                              "at 0.025 (less for each later test against one master: "
-                              "0.05 / (k(k+1)) for the k-th): every "
-                              "improvement is confirmed, one inside minDelta too. Unsaid: with "
-                              "minDelta auto, "
-                              f"a win beyond the margin is confirmed by {AUTO_CONFIRM_RUNS} of "
-                              "each (one run is not a verdict); with a number, none. "
-                              "0: one run decides.", minimum=0, maximum=20),
-            "noiseRuns": _i("Repeat runs of the master that measure the lab's noise when "
-                            "minDelta is auto and nothing was measured yet.",
+            "maxPairs": _i("The most pairs one decision may take (each pair: one run of the "
+                           "candidate, and one of the master where the master has no value "
+                           f"at that seed yet). Default {MAX_PAIRS}.", minimum=FIRST_LOOK,
+                           maximum=50),
+            "confirmRuns": _i("Kept from earlier labs. 0: one pair decides (against minDelta). "
+                              "N > 0: the sequential test with at most N + 1 pairs, where "
+                              "maxPairs is unsaid.", minimum=0, maximum=49),
+            "noiseRuns": _i("Seeds `autolab noise` measures the master on (and repeats): the "
+                            "spread across seeds, the spread of paired differences, and the "
+                            "smallest gain the lab detects. Decisions never wait for it.",
                             minimum=2, maximum=50, default=NOISE_RUNS),
         }),
         "backend": _s("Default backend for experiments.", enum=list(BACKENDS), default="local"),
@@ -470,9 +467,10 @@ class LabSpec:
     budget_seconds: int | None = None
     data: str = "hub"
     gpu_slots: int = 0
-    min_delta: float | str = "auto"   # a number, or "auto" (controller.core.noise.margin)
-    confirm_runs: int | None = None  # None: unsaid (controller.core.noise.confirm_runs)
+    min_delta: float | str = "auto"   # a number, or "auto" (see `one_pair_decides`)
+    confirm_runs: int | None = None  # None: unsaid; 0: one pair decides; N: cap N + 1
     noise_runs: int = NOISE_RUNS
+    max_pairs: int | None = None     # None: unsaid (confirmRuns + 1, else MAX_PAIRS)
     backend: str = "local"
     kubernetes: dict = field(default_factory=dict)
     hf: dict = field(default_factory=dict)
@@ -487,8 +485,31 @@ class LabSpec:
                    min_delta=_min_delta(spec.get("promotion", {}).get("minDelta", "auto")),
                    confirm_runs=_confirm_runs(spec.get("promotion", {}).get("confirmRuns")),
                    noise_runs=int(spec.get("promotion", {}).get("noiseRuns", NOISE_RUNS)),
+                   max_pairs=_confirm_runs(spec.get("promotion", {}).get("maxPairs")),
                    backend=spec.get("backend", "local"),
                    kubernetes=dict(spec.get("kubernetes", {})), hf=dict(spec.get("hf", {})))
+
+
+    @property
+    def one_pair_decides(self) -> bool:
+        """The lab lets one pair decide: `confirmRuns: 0`, or a number for minDelta with
+        confirmRuns unsaid (as labs did before the sequential test)."""
+        return self.confirm_runs == 0 or (self.min_delta != "auto" and self.confirm_runs is None
+                                          and self.max_pairs is None)
+
+    @property
+    def pairs_cap(self) -> int:
+        """The most pairs one decision may take."""
+        if self.max_pairs is not None:
+            return self.max_pairs
+        if self.confirm_runs:
+            return max(FIRST_LOOK, self.confirm_runs + 1)
+        return MAX_PAIRS
+
+    @property
+    def min_gain(self) -> float:
+        """What a gain must be above to be promoted (0 with auto)."""
+        return 0.0 if self.min_delta == "auto" else float(self.min_delta)
 
 
 def _min_delta(v: object) -> float | str:

@@ -18,8 +18,8 @@ from typing import Any
 # --- phases ------------------------------------------------------------------------------------
 
 PENDING, QUEUED, RUNNING = "Pending", "Queued", "Running"
-# Measured once, and measured again before the verdict: a rebased follow-up (the master moved
-# while it ran) or confirm runs (a win inside the margin).
+# Measured once, and measured again before the verdict: more pairs (the first decided nothing)
+# or a rebased follow-up (the master moved before the verdict).
 CONFIRMING = "Confirming"
 SUCCEEDED, FAILED, CANCELLED = "Succeeded", "Failed", "Cancelled"
 INVALID, DUPLICATE, CONFLICT = "Invalid", "Duplicate", "Conflict"
@@ -54,12 +54,13 @@ class Reason:
     BEAT_MASTER = "BeatMaster"
     DID_NOT_BEAT_MASTER = "DidNotBeatMaster"
     MASTER_MOVED = "MasterMoved"  # it beat the master, but was built on an older one
-    WAITING_FOR_NOISE = "WaitingForNoise"  # minDelta auto, and the lab's noise is not measured
     REBASED = "Rebased"           # rebased onto the current master right before it started
     FOLLOW_UP = "FollowUp"        # it won on an older master: a rebased run measures it again
-    CONFIRM_RUNS = "ConfirmRuns"  # it won inside the margin: fresh runs of it and the master
-    CONFIRMED = "Confirmed"       # the confirm runs' test says it is better
-    WITHIN_NOISE = "WithinNoise"  # its difference from the master is inside the noise
+    CONFIRM_RUNS = "ConfirmRuns"  # (a status of a controller before pairs)
+    PAIRS = "Pairs"               # its pairs so far decide nothing yet: one more pair
+    PAIR_RUN_LOST = "PairRunLost"  # a pair run ended with no value, not the candidate's doing
+    CONFIRMED = "Confirmed"       # the pairs' test says it is better
+    WITHIN_NOISE = "WithinNoise"  # its pairs show no gain (the test's verdict, or its cap)
     NOT_CONFIRMED = "NotConfirmed"  # a confirm run failed: no verdict, no promotion
     NEAR_DUPLICATE = "NearDuplicate"  # moves a constant the way a rejected experiment did
     PROMOTED = PROMOTED
@@ -91,7 +92,8 @@ HARNESS_REASONS = {
 # Failed reasons that measured nothing about the candidate (the infrastructure failed, or the
 # run was lost): their ledger row says "error", which does not count as measured, so the same
 # candidate may run again.
-NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST) + HARNESS_REASONS["error"]
+NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST, Reason.PAIR_RUN_LOST) \
+    + HARNESS_REASONS["error"]
 
 
 # --- the parsed view ---------------------------------------------------------------------------

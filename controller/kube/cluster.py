@@ -34,7 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import GROUP, VERSION
-from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write
+from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write, read_places
 
 MERGE_PATCH = "application/merge-patch+json"
 CUSTOM_OBJECT = "/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}"
@@ -45,7 +45,8 @@ LABEL_RUN = f"{GROUP}/run"
 LABEL_BASELINE = f"{GROUP}/baseline"
 LABEL_CAMPAIGN = f"{GROUP}/campaign"
 OURS = {MANAGED_BY: "autolab"}
-MASTER_KEYS = ("hash", "semanticHash", "commit", "val_bpb", "experiment", "parent", "promotedAt")
+MASTER_KEYS = ("hash", "semanticHash", "commit", "val_bpb", "experiment", "parent", "promotedAt",
+               "places")
 PROMOTIONS_KEPT = 20
 CAS_ATTEMPTS = 20
 
@@ -208,7 +209,8 @@ class MasterRecord:
     def master(self) -> Master:
         d = self.doc
         return Master(hash=d["hash"], semantic_hash=d["semanticHash"], commit=d.get("commit", ""),
-                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"))
+                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"),
+                      places=read_places(d.get("places")))
 
 
 class MasterStore:
@@ -278,7 +280,7 @@ class MasterStore:
 
     def promote(self, experiment: str, source: str, commit: str, val_bpb: float,
                 parent: str, min_delta: float, now: str,
-                against: float | None = None) -> PromotionResult:
+                against: float | None = None, places: dict | None = None) -> PromotionResult:
         """Make `source` the master if `val_bpb` still beats it; safe against concurrent winners."""
         for _ in range(CAS_ATTEMPTS):
             rec = self.require()
@@ -291,7 +293,8 @@ class MasterStore:
                 return settled
             entry = {"hash": candidate_hash(source), "semanticHash": semantic_hash(source),
                      "commit": commit, "val_bpb": val_bpb, "experiment": experiment,
-                     "parent": parent, "promotedAt": now}
+                     "parent": parent, "promotedAt": now,
+                     "places": {str(k): v for k, v in (places or {}).items()}}
             promotion = {"experiment": experiment, "hash": entry["hash"], "val_bpb": val_bpb,
                          "promotedAt": now,
                          "previous": {"hash": d["hash"], "val_bpb": d.get("val_bpb"),
@@ -305,16 +308,35 @@ class MasterStore:
                            f"{self.namespace}/{self.name} changed {CAS_ATTEMPTS} times while "
                            "promoting; the next pass tries again")
 
-    def set_metric(self, master_hash: str, val_bpb: float) -> bool:
-        """Record the baseline metric of the master `master_hash`, if it is still the master."""
+    def set_metric(self, master_hash: str, val_bpb: float, places: dict | None = None) -> bool:
+        """Record the baseline of the master `master_hash` (its val_bpb, and its value at place
+        1 where it ran there), if it is still the master."""
         for _ in range(CAS_ATTEMPTS):
             rec = self.require()
-            if rec.doc["hash"] != master_hash or rec.doc.get("val_bpb") is not None:
+            d = rec.doc
+            if d["hash"] != master_hash or (d.get("val_bpb") is not None
+                                            and (places is None or d.get("places"))):
                 return False
-            doc = dict(rec.doc, val_bpb=val_bpb)
+            doc = dict(d, val_bpb=d.get("val_bpb") if d.get("val_bpb") is not None else val_bpb)
+            if places:
+                doc["places"] = {**{str(k): v for k, v in places.items()}, **(d.get("places") or {})}
             if self._cas(rec, {"master.json": json.dumps(doc, indent=1)}):
                 return True
         raise ClusterError(f"could not record the baseline of {master_hash[:12]}: the master "
+                           "ConfigMap kept changing")
+
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> bool:
+        """Keep the master's value at `place`, if `master_hash` is still the master and the
+        place has none (compare-and-swap on the ConfigMap's version, as a promotion)."""
+        for _ in range(CAS_ATTEMPTS):
+            rec = self.require()
+            places = rec.doc.get("places") or {}
+            if rec.doc["hash"] != master_hash or str(place) in places:
+                return False
+            doc = dict(rec.doc, places={**places, str(place): val_bpb})
+            if self._cas(rec, {"master.json": json.dumps(doc, indent=1)}):
+                return True
+        raise ClusterError(f"could not keep the master's value at place {place}: the master "
                            "ConfigMap kept changing")
 
 
@@ -329,10 +351,15 @@ def sync_repo_master(repo: LabRepo, rec: MasterRecord) -> bool:
     d = rec.doc
     local = repo.master_doc()
     if local["hash"] == d["hash"]:
+        changed = False
         if local.get("val_bpb") is None and d.get("val_bpb") is not None:
             repo.set_master_metric(d["val_bpb"])
-            return True
-        return False
+            changed = True
+        theirs, ours = read_places(d.get("places")), read_places(local.get("places"))
+        for place, val in sorted(theirs.items()):
+            if place not in ours:
+                changed = repo.set_place(d["hash"], place, val) or changed
+        return changed
     commit = d.get("commit") or ""
     if not commit or not _has_surface(repo, commit, d["hash"]):
         commit = _commit_source(repo, local["commit"], rec.source,

@@ -70,8 +70,10 @@ LAB_STATUS = {
                    "x-kubernetes-preserve-unknown-fields": True},
         "running": {"type": "integer", "description": "Runs in flight."},
         "noise": {"type": "object", "nullable": True,
-                  "description": "The lab's measured noise: sigma of val_bpb over repeat runs "
-                                 "of the master (runs, mean, budgetSeconds, measuredAt).",
+                  "description": "What `autolab noise` measured on the current master (master): "
+                                 "the spread across seeds (acrossSeeds), of the same seed twice "
+                                 "(paired), the smallest gain detected (detectable) within the "
+                                 "cap of pairs, budgetSeconds, measuredAt.",
                   "x-kubernetes-preserve-unknown-fields": True},
     },
 }
@@ -145,7 +147,7 @@ def lab_crd() -> dict:
         {"name": "Master", "type": "string", "jsonPath": ".status.master.hash"},
         {"name": "Best", "type": "number", "jsonPath": ".status.master.val_bpb"},
         {"name": "Running", "type": "integer", "jsonPath": ".status.running"},
-        {"name": "Noise", "type": "number", "jsonPath": ".status.noise.sigma"},
+        {"name": "Detectable", "type": "number", "jsonPath": ".status.noise.detectable"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ])
 

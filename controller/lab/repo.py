@@ -82,6 +82,18 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def read_places(raw: object) -> dict[int, float]:
+    """A master's values by place, as stored (`{"1": 0.98, ...}`); what does not read is left
+    out (a hand edit), so a place without a value is measured again."""
+    out: dict[int, float] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            if str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and v == v and abs(v) != float("inf"):
+                out[int(k)] = float(v)
+    return out
+
+
 @dataclass
 class MasterRecord:
     hash: str
@@ -126,7 +138,8 @@ class LabRepo:
     def master(self) -> Master:
         d = self.master_doc()
         return Master(hash=d["hash"], semantic_hash=d["semanticHash"], commit=d["commit"],
-                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"))
+                      val_bpb=d.get("val_bpb"), experiment=d.get("experiment"),
+                      places=read_places(d.get("places")))
 
     def master_source(self) -> str:
         return self.git("show", f"{self.master().commit}:{self.lab.surface}").stdout
@@ -158,20 +171,39 @@ class LabRepo:
                               f"({', '.join(h[:12] for h in hits)}); give more hex digits")
         return next(iter(hits.values()))
 
-    def set_master_metric(self, val_bpb: float) -> None:
+    def set_master_metric(self, val_bpb: float, places: dict | None = None) -> None:
+        """The baseline: the master's val_bpb, and its value at place 1 (where it ran)."""
         with self._master_lock:
             d = self.master_doc()
-            if d.get("val_bpb") is not None:
+            if d.get("val_bpb") is not None and (places is None or d.get("places")):
                 return
-            d["val_bpb"] = val_bpb
+            if d.get("val_bpb") is None:
+                d["val_bpb"] = val_bpb
+            if places:
+                d["places"] = {**{str(k): v for k, v in places.items()}, **(d.get("places") or {})}
             for h in d["history"]:
-                if h["hash"] == d["hash"] and h.get("val_bpb") is None:
-                    h["val_bpb"] = val_bpb
+                if h["hash"] == d["hash"]:
+                    h.update(val_bpb=d["val_bpb"], places=d.get("places") or {})
             atomic_write(self.master_file, json.dumps(d, indent=2) + "\n")
+
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> bool:
+        """Keep the master's value at `place`, if `master_hash` is still the master and the
+        place has none yet (a value is measured once; the first one stands)."""
+        with self._master_lock:
+            d = self.master_doc()
+            places = d.get("places") or {}
+            if d["hash"] != master_hash or str(place) in places:
+                return False
+            d["places"] = {**places, str(place): val_bpb}
+            for h in d["history"]:
+                if h["hash"] == d["hash"]:
+                    h["places"] = d["places"]
+            atomic_write(self.master_file, json.dumps(d, indent=2) + "\n")
+            return True
 
     def promote(self, name: str, commit: str, val_bpb: float, hashes: tuple[str, str],
                 parent: str, now: str, margin: float | None = None,
-                against: float | None = None) -> PromotionResult:
+                against: float | None = None, places: dict | None = None) -> PromotionResult:
         """Compare-and-swap: under the lock, re-read the master, compare again, then move it."""
         with self._master_lock:
             d = self.master_doc()
@@ -183,7 +215,7 @@ class LabRepo:
             self.git("update-ref", f"refs/heads/{MASTER_BRANCH}", commit)
             entry = {"hash": hashes[0], "semanticHash": hashes[1], "commit": commit,
                      "val_bpb": val_bpb, "experiment": name, "parent": parent,
-                     "promotedAt": now}
+                     "promotedAt": now, "places": {str(k): v for k, v in (places or {}).items()}}
             history = d["history"] + [dict(entry)]
             atomic_write(self.master_file, json.dumps({**entry, "history": history},
                                                       indent=2) + "\n")
