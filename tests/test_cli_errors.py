@@ -270,14 +270,14 @@ def test_other_known_failures_read_as_one_line(tmp_path):
     assert known_failure(OSError("no errno, no file: unknown")) is None
 
 
-def test_a_new_lab_measures_its_noise_before_it_promotes_unless_told_otherwise(tmp_path, env):
-    """`autolab init` writes `promotion.minDelta: auto`: the master's noise is measured before an
-    experiment is judged, and a win must clear it. A number is written as given; anything else
-    is refused with what to write instead."""
+def test_a_new_lab_judges_in_pairs_unless_told_otherwise(tmp_path, env):
+    """`autolab init` writes `promotion.minDelta: auto`: candidates are judged on paired runs,
+    one pair at a time, and init says so. A number is written as given; anything else is
+    refused with what to write instead."""
     made = autolab("init", str(tmp_path / "a"), "--profile", "tiny", "--data", "synthetic", env=env)
     assert made.returncode == 0, made.stderr
     assert yaml.safe_load((tmp_path / "a" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": "auto"}
-    assert "measures the master's noise (5 repeat runs)" in made.stdout
+    assert "judged on its paired differences after each run (at most 10 pairs)" in made.stdout
     made = autolab("init", str(tmp_path / "b"), "--profile", "tiny", "--min-delta", "0", env=env)
     assert made.returncode == 0, made.stderr
     assert yaml.safe_load((tmp_path / "b" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": 0.0}

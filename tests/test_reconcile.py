@@ -331,13 +331,21 @@ def test_pairs_go_place_by_place_and_reuse_the_masters_values():
     """A candidate 0.01 better on every seed. Place 1 and 2: the master has values (its
     baseline, an earlier candidate's master run), so only the candidate runs. Place 3: the
     candidate first, then the master, whose value is kept on the master for later candidates.
-    Three pairs with no spread: promoted at their mean, with its values as the new master's."""
-    w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0",
-              status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
-    values = {"exp-e-1": 0.99, "exp-e-1-p2": 1.0, "exp-e-1-p3": 0.995, "exp-e-1-m3": 1.005}
-    d, submitted = drive(w, values)
-    assert submitted == [("exp-e-1", "candidate", 1), ("exp-e-1-p2", "candidate", 2),
-                         ("exp-e-1-p3", "candidate", 3), ("exp-e-1-m3", "master", 3)]
+    Three pairs with no spread: promoted at their mean, with its values as the new master's.
+    Which of the two runs at place 3 goes first is a coin of the decision's (its entropy)."""
+    orders = set()
+    for entropy in range(12):
+        w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0",
+                  entropy=entropy, status=st("Queued", parentHash="a" * 40, queuedAt=NOW,
+                                             candidateHash="d" * 40))
+        values = {"exp-e-1": 0.99, "exp-e-1-p2": 1.0, "exp-e-1-p3": 0.995, "exp-e-1-m3": 1.005}
+        d, submitted = drive(w, values)
+        assert submitted[:2] == [("exp-e-1", "candidate", 1), ("exp-e-1-p2", "candidate", 2)]
+        assert sorted(submitted[2:]) == [("exp-e-1-m3", "master", 3),
+                                         ("exp-e-1-p3", "candidate", 3)]
+        orders.add(submitted[2][1])
+        assert (3 in d.status["pairs"]["masterFirst"]) == (submitted[2][1] == "master")
+    assert orders == {"candidate", "master"}
     (promote,) = [i for i in d.intents if i.kind == "promote"]
     assert promote.args["places"] == {"1": 0.99, "2": 1.0, "3": 0.995}
     assert promote.args["val_bpb"] == round((0.99 + 1.0 + 0.995) / 3, 6)

@@ -68,7 +68,7 @@ def test_confirmations_go_one_experiment_at_a_time_and_take_no_slot_from_first_r
     from controller.core.slots import SlotBook, queue_priority
     book = SlotBook(["0", "1", "2"])
     boosted = queue_priority(0, "Confirming")  # what the core asks with while Confirming
-    confirming = {"phase": "Confirming", "confirm": {"runs": 2, "candidate": [], "master": []}}
+    confirming = {"phase": "Confirming", "pairs": {"candidate": [0.99], "master": [1.0]}}
     book.observe("a", dict(confirming, queuedAt="t1"))
     book.observe("b", dict(confirming, queuedAt="t2"))
     assert book.grant("b", boosted, "t2", confirm=True) is None, "a was first in line"

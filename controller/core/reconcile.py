@@ -4,9 +4,10 @@
 experiment (its spec, its last status, the master, the checks on its
 candidate, its run) and returns the status it should have now plus the
 intents that move the world one step towards the spec. It does no I/O, reads
-no clock (the time is part of the world) and draws no random numbers (a run's
-harness seed is the engine's, from the lab's secret and the run's place), so
-the kopf operator and the local loop share it, and tables of worlds test it.
+no clock (the time is part of the world) and draws no random numbers of its
+own (a run's harness seed is the engine's, from the lab's secret and the run's
+place; the order of a pair's runs comes from the world's `entropy`), so the
+kopf operator and the local loop share it, and tables of worlds test it.
 
     Pending -> Invalid | Duplicate | Conflict
     Pending -> Queued -> Running -> Succeeded (outcome Promoted | Rejected) | Failed
@@ -20,9 +21,10 @@ The master moves only by real, cumulative improvements:
 - A decision is made on pairs (`controller.core.noise`): the candidate's run at
   place i against the master's value at place i (the same secret harness seed),
   judged after each pair: promote, reject, or one more pair. The master's value
-  at a place is measured once (a run `exp-<name>-<attempt>-m<i>`, after the
-  candidate's own run at that place) and kept on the master for every later
-  candidate; a promoted candidate's runs become the new master's values.
+  at a place is measured once (a run `exp-<name>-<attempt>-m<i>`, before or
+  after the candidate's run at that place, by a secret coin) and kept on the
+  master for every later candidate; a promoted candidate's runs become the new
+  master's values.
 - A candidate whose master moved while it was measured (seen before its
   verdict, or by the compare-and-swap of its promotion) is rebased onto the new
   master and measured again there from its first pair (a follow-up, attempt 2,
@@ -40,6 +42,8 @@ run that exists instead of starting a second one.
 from __future__ import annotations
 
 import copy
+import random
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +148,10 @@ class World:
     # Which test against the current master this experiment's would be (1: the first): the
     # engine counts the experiments that began one against it. It sets the test's level.
     tries: int = 1
+    # Randomness for what must be secret from a candidate: the order of the two runs at a place
+    # (`next_run`). Drawn when the front end builds the World, so reconcile stays a function of
+    # its input and tests can pin it.
+    entropy: int = field(default_factory=lambda: secrets.randbits(64))
 
 
 # --- what reconcile asks for -----------------------------------------------------------------
@@ -331,24 +339,36 @@ def next_run(name: str, st: dict, master: Master | None = None) -> dict:
 
     A decision goes place by place. At place 1 the candidate's run is `exp-<name>-<attempt>`
     (its first run; the master has a value at place 1 already: its baseline, or the runs that
-    promoted it). At place i > 1 the candidate's run `exp-<name>-<attempt>-p<i>` comes first;
-    where the master has no value at place i yet, its run `exp-<name>-<attempt>-m<i>` (the
-    parent's program) follows and is kept on the master for every later candidate. The
-    master's run always follows one of the candidate's, as the candidate's own next run does:
-    what a run leaves on the machine (a hot GPU, a page cache emptied of the shards) falls on
-    both programs alike, so a candidate gains nothing by leaving the machine slow.
+    promoted it). At place i > 1 the candidate's run is `exp-<name>-<attempt>-p<i>`; where
+    `master` has no value at place i yet, the master's run `exp-<name>-<attempt>-m<i>` (the
+    parent's program) is made too, and kept on the master for every later candidate.
+
+    What a run leaves on the machine (a hot GPU, a page cache emptied of the shards) falls on
+    the run after it. So at such places the two runs take turns going first (ABBA: c2 m2, m3
+    c3, c4 m4, ...): as many master runs as candidate runs follow one of the candidate's, and a
+    candidate that leaves the machine slow after every run slows both programs alike. Which
+    side begins is a coin drawn for the decision when its pairs begin (`pairs.masterFirst`,
+    from the world's entropy), after the candidate was written, kept only in the status. A
+    candidate that learns its place (an agent can read a run's seed from its log, and the
+    places' seeds are the lab's, the same for every candidate) and slows the machine only
+    after some places still has to guess that coin (tests/adversarial/README.md).
 
     The place's harness seed is the engine's (`controller.core.noise.place_seed`, from the
-    lab's secret): the status holds only the place, and no seed says a run's place.
+    lab's secret): the status holds only the place.
     """
     main = run_name(name, int(st.get("attempt") or 1))
     p = st.get("pairs")
     if not p:
         return {"name": main, "program": "candidate", "place": 1}
-    n = len(p["candidate"])
-    if len(p["master"]) < n:  # the master's run at the candidate's last place
+    n, k = len(p["candidate"]), len(p["master"])
+    if k < n:  # the candidate went first at place n
         return {"name": f"{main}-m{n}", "program": "master", "place": n}
-    return {"name": f"{main}-p{n + 1}", "program": "candidate", "place": n + 1}
+    if k > n:  # the master went first at place k
+        return {"name": f"{main}-p{k}", "program": "candidate", "place": k}
+    q = n + 1
+    if master is not None and master.place(q) is None and q in (p.get("masterFirst") or []):
+        return {"name": f"{main}-m{q}", "program": "master", "place": q}
+    return {"name": f"{main}-p{q}", "program": "candidate", "place": q}
 
 
 def pair_run(run_id: str, name: str) -> bool:
@@ -401,7 +421,7 @@ def _reconcile_active(s: _Step) -> Decision:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
                         "The master has no measured val_bpb yet; its baseline run comes first.")
             return s.decision()
-        nxt = next_run(w.name, st)
+        nxt = next_run(w.name, st, w.master if w.master.hash == st.get("parentHash") else None)
         if nxt["program"] == "master" and w.master.hash == st.get("parentHash") \
                 and w.master.place(nxt["place"]) is not None:
             # Another candidate measured the master at this place meanwhile: take its value.
@@ -529,7 +549,12 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     base = st.get("parentValBpb")
     if base is None:
         base = w.master.place(1)
-    st["pairs"] = {"candidate": [val], "master": [] if base is None else [base]}
+    # The order of the two runs at each later place the master has no value for yet: turn
+    # about (ABBA), from a side drawn now (see `next_run`).
+    phase = random.Random(w.entropy).random() < 0.5
+    st["pairs"] = {"candidate": [val], "master": [] if base is None else [base],
+                   "masterFirst": [q for q in range(2, w.lab.pairs_cap + 1)
+                                   if (q + phase) % 2 == 1]}
     return _judge(s)
 
 
@@ -573,6 +598,14 @@ def _judge(s: _Step) -> Decision:
     w, st = s.w, s.st
     p = st["pairs"]
     n = len(p["candidate"])
+    if len(p["master"]) > n:  # the master went first at this place: the candidate's run next
+        if _moved(w, st) and w.promotion is None:
+            return _master_moved(s)
+        msg = f"Pair {len(p['master'])}: the master ran first; the candidate's run comes next."
+        _next_run(s)
+        s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
+        s.phase(CONFIRMING, Reason.PAIRS, msg)
+        return s.decision()
     if len(p["master"]) < n:  # the master's value at this place comes next
         if _moved(w, st) and w.promotion is None:
             return _master_moved(s)
