@@ -151,7 +151,7 @@ def test_a_candidate_that_voids_its_unlucky_runs_still_spends_its_tries(tmp_path
     """A candidate that can end its own run as a harness error (after training, when its loss
     says whether the draw was lucky) ends the decision with nothing held against it, and may be
     applied again under a new name. Each try is counted against the master when its first run
-    starts, so each is tested at a lower level: 2 * 0.025 / (k * (k + 1))."""
+    starts, so each is tested at a lower level: 2 * 0.015 / (k * (k + 1))."""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     lab = make_lab(tmp_path)
     gpu = Gpu({}, seed=5)
@@ -171,7 +171,7 @@ def test_a_candidate_that_voids_its_unlucky_runs_still_spends_its_tries(tmp_path
     rows = {r["run_id"]: r for r in lab.ledger.rows()}
     # each ended with nothing held against it: its row says error (it may run again)...
     assert [rows[f"exp-void-{k}-1"]["status"] for k in range(3)] == ["error"] * 3
-    # ...and each was counted against the master when it began: the third at 0.05 / 12
+    # ...and each was counted against the master when it began: the third at 0.03 / 12
     tests = json.loads((lab.paths.state / "tests" / f"{lab.repo.master().hash}.json").read_text())
     assert tests == ["void-0", "void-1", "void-2"]
 

@@ -394,14 +394,14 @@ def test_a_no_op_is_rejected_on_its_own_pairs_spread():
 
 def test_each_test_against_one_master_is_made_at_a_lower_level():
     from controller.core.noise import test_alpha
-    assert [round(test_alpha(k), 6) for k in (1, 2, 3)] == [0.025, round(0.05 / 6, 6),
-                                                           round(0.05 / 12, 6)]
+    assert [round(test_alpha(k), 6) for k in (1, 2, 3)] == [0.015, round(0.03 / 6, 6),
+                                                           round(0.03 / 12, 6)]
     w = World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, slot="0", tries=3,
               status=st("Queued", parentHash="a" * 40, queuedAt=NOW, candidateHash="d" * 40))
     d = reconcile(w)
     assert d.status["tries"] == 3  # fixed when its first run is submitted
     d, _ = drive(w, {"exp-e-1": 1.05})
-    assert d.status["pairs"]["verdict"]["alpha"] == round(0.05 / 12, 6)
+    assert d.status["pairs"]["verdict"]["alpha"] == round(0.03 / 12, 6)
 
 
 def test_the_sequential_test_waits_for_a_spread_and_stops_losers_early():
