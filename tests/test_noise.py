@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from controller.cli.lab import init_lab
+from controller.cli.main import main
 from controller.core.noise import PLACE_SEEDS, place_seed
 from controller.local import LAB_FILE, LocalLab
 from labkit import InstantBackend, run_until_done, spec_from_edit
@@ -64,7 +65,7 @@ def places_of(lab: LocalLab, backend: InstantBackend) -> dict[str, int]:
 
 
 def test_a_real_gain_is_promoted_on_paired_runs_and_its_runs_become_the_masters(tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, capsys):
     """A gain of 0.006 where seeds spread 0.0064 and a seed twice 0.0007 (the scale measured on
     an H100 at 45 s): the first run is compared with the master's baseline on the same seed,
     and a few more pairs promote it. No noise is measured first. The new master's values per
@@ -88,6 +89,17 @@ def test_a_real_gain_is_promoted_on_paired_runs_and_its_runs_become_the_masters(
         assert place[f"exp-lr-03-1-p{i}"] == place[f"exp-lr-03-1-m{i}"] == i
     seeds = [q.seed for q in backend.requests.values()]
     assert all(s > PLACE_SEEDS for s in seeds) and len(set(seeds)) == n  # none says its place
+    # `describe` and `get -o wide` show the pairs, the estimate with its interval, and why
+    capsys.readouterr()  # what the loop printed so far
+    assert main(["describe", "--lab", str(lab.root), "lr-03"]) == 0
+    shown = capsys.readouterr().out
+    assert "Pairs:" in shown and f"  {n}: " in shown and "(95 % interval)" in shown
+    assert "stopped: a real gain" in shown and "test 1 against its master, level 0.015" in shown
+    assert main(["get", "--lab", str(lab.root), "-o", "wide"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "PAIRS" in table[0] and "GAIN" in table[0]
+    gain = st["pairs"]["verdict"]["gain"]
+    assert f"{gain:+.6f} [" in table[1] and f"   {n}   " in table[1]
     master = lab.repo.master()
     assert master.experiment == "lr-03"
     assert master.places == {i + 1: v for i, v in enumerate(st["pairs"]["candidate"])}

@@ -18,8 +18,8 @@ from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
 from controller.local import LocalLab, load_yaml_file
 from controller.cli.listing import select, sort_records
-from controller.cli.output import (CliError, activate_hint, autolab_command, item, number,
-                                   one_line, print_table, printable, table_rows)
+from controller.cli.output import (CliError, activate_hint, autolab_command, gain_interval, item,
+                                   number, one_line, print_table, printable, table_rows)
 
 
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
@@ -495,6 +495,7 @@ def cmd_describe(a) -> int:
     if st.get("metrics"):
         out.append("Metrics:")
         out += [f"  {k}: {v}" for k, v in st["metrics"].items()]
+    out += describe_pairs(st)
     out.append("Conditions:")
     for c in st.get("conditions", []):
         out.append(f"  {c['type']:<18}{c['status']:<7}{c['reason']:<22}{c['message']}")
@@ -505,6 +506,27 @@ def cmd_describe(a) -> int:
     out += ["  " + line for line in (spec.get("diff") or "").splitlines()]
     print(printable("\n".join(out)))
     return 0
+
+
+def describe_pairs(st: dict) -> list[str]:
+    """The lines of `describe` about a decision: each pair, the estimate, why it stopped."""
+    p = st.get("pairs")
+    if not isinstance(p, dict):
+        return []
+    out = ["Pairs:        (place: candidate - master = gain; positive is better)"]
+    for i, (c, m) in enumerate(zip(p.get("candidate") or [], p.get("master") or []), 1):
+        out.append(f"  {i}: {c:.6f} - {m:.6f} = {m - c:+.6f}")
+    step = p.get("verdict") or p.get("estimate")
+    if isinstance(step, dict):
+        se = step.get("standardError")
+        out.append(f"  gain {gain_interval(step)} (95 % interval)" +
+                   (f", standard error {se:.6f}, t {step.get('t')}" if se is not None else ""))
+        crit = step.get("critical")
+        out.append(f"  test {step.get('tries')} against its master, level {step.get('alpha')}; "
+                   + (f"t had to pass {crit}" if crit is not None else "no look before 3 pairs")
+                   + f"; at most {step.get('cap')} pairs")
+        out.append(f"  {'stopped' if p.get('verdict') else 'so far'}: {step.get('why')}")
+    return out
 
 
 def cmd_logs(a) -> int:

@@ -65,10 +65,21 @@ def number(text: object, nd: int = 6, signed: bool = False) -> str:
     return f"{v:+.{nd}f}" if signed else f"{v:.{nd}f}"
 
 
+def gain_interval(step: dict | None) -> str:
+    """A decision's gain over the master with its 95 % interval: `+0.006800 [+0.0051, +0.0085]`
+    (positive: better than the master)."""
+    if not isinstance(step, dict) or step.get("gain") is None:
+        return ""
+    low, high = (step.get("interval") or [None, None])[:2]
+    if low is None or high is None:
+        return f"{step['gain']:+.6f}"
+    return f"{step['gain']:+.6f} [{low:+.4f}, {high:+.4f}]"
+
+
 def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
     if wide:
-        head += ["CANDIDATE", "PARENT", "MESSAGE"]
+        head += ["CANDIDATE", "PARENT", "PAIRS", "GAIN", "MESSAGE"]
     out = []
     for name, st, spec in rows:
         job = st.get("job") or {}
@@ -78,7 +89,10 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
                 ("" if st.get("delta") is None else f"{st['delta']:+.6f}"), str(slot or ""),
                 spec.get("campaign", ""), _age(st.get("createdAt"))]
         if wide:
+            pairs = st.get("pairs") if isinstance(st.get("pairs"), dict) else {}
             line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
+                     str(len(pairs.get("master") or [])) if pairs else "",
+                     gain_interval(pairs.get("verdict") or pairs.get("estimate")),
                      (st.get("message") or "").split("\n")[0]]  # whole: wide is for reading
         out.append(line)
     return head, out

@@ -625,6 +625,7 @@ def _judge(s: _Step) -> Decision:
     st["delta"] = round(-step.gain, 6)
     st["masterValBpb"] = st.get("parentValBpb") if st.get("parentValBpb") is not None \
         else p["master"][0]
+    p["estimate"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
     if step.decision == "continue":
         if _moved(w, st) and w.promotion is None:
             return _master_moved(s)
