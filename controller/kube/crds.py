@@ -52,8 +52,15 @@ EXPERIMENT_STATUS = {
                                                    "better)."},
         "metrics": {"type": "object", "description": "The run's summary metrics.",
                     "x-kubernetes-preserve-unknown-fields": True},
-        "job": {"type": "object", "description": "The run: backend, name, slot, id.",
+        "job": {"type": "object", "description": "The run: backend, name, slot, place, id.",
                 "x-kubernetes-preserve-unknown-fields": True},
+        "pairs": {"type": "object", "description": "The decision: the candidate's and the "
+                                                   "master's val_bpb at each place, the places "
+                                                   "where the master ran first, the estimate "
+                                                   "(gain, interval, t) and the verdict.",
+                  "x-kubernetes-preserve-unknown-fields": True},
+        "tries": {"type": "integer", "description": "Which test against its master this "
+                                                    "decision is (its level falls with it)."},
         "conditions": {"type": "array", "description": "Checked, Scheduled, Running, Promoted.",
                        "items": {"type": "object",
                                  "x-kubernetes-preserve-unknown-fields": True}},
