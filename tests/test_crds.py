@@ -70,7 +70,7 @@ def test_kubectl_get_shows_phase_outcome_metric_and_master():
 
     assert columns(experiment_crd()) == ["Phase", "Outcome", "val_bpb", "Delta", "Campaign", "Age"]
     assert columns(experiment_crd(), wide=True)[-2:] == ["Lab", "Hypothesis"]  # -o wide
-    assert columns(lab_crd()) == ["Metric", "Master", "Best", "Running", "Noise", "Age"]
+    assert columns(lab_crd()) == ["Metric", "Master", "Best", "Running", "Detectable", "Age"]
     for crd, short in ((experiment_crd(), "exp"), (lab_crd(), "lab")):
         version = crd["spec"]["versions"][0]
         assert crd["spec"]["group"] == "autolab.dev" and version["name"] == "v1alpha1"

@@ -460,8 +460,10 @@ async def test_restarted_operator_adopts_its_job_and_records_the_result_once(clu
 
 async def test_two_winners_built_on_one_master_never_erase_each_other(cluster):
     """Both beat the master they were built on and finish together. One is promoted; the other
-    lacks its change, so it is not promoted over it (MasterMoved): the master history stays a
-    line, each master the one before plus one experiment."""
+    lacks its change, so it is not promoted over it: it is rebased onto the new master to be
+    measured there (FollowUp), and since both change the same line the rebase ends it Conflict,
+    never Rejected for MasterMoved. The master history stays a line, each master the one
+    before plus one experiment. (Two that rebase cleanly both land: tests/test_race.py.)"""
     c = cluster
     seed_lab(c.root, 1.0)
     await c.apply("labs", LAB)
@@ -472,12 +474,14 @@ async def test_two_winners_built_on_one_master_never_erase_each_other(cluster):
         pods = [await c.start_pod("exp-lr-03-1"), await c.start_pod("exp-lr-04-1")]
         await asyncio.gather(c.finish_pod(pods[0], result(0.97), 0),
                              c.finish_pod(pods[1], result(0.96), 0))
-        await c.until("both finished", lambda: c.phase("lr-03") == c.phase("lr-04") == "Succeeded")
+        await c.until("both decided", lambda: {c.phase("lr-03"), c.phase("lr-04")} == {
+            "Succeeded", "Conflict"})
     statuses = {n: c.get(EXP, n)["status"] for n in ("lr-03", "lr-04")}
-    winners = [n for n, st in statuses.items() if st["outcome"] == "Promoted"]
+    winners = [n for n, st in statuses.items() if st.get("outcome") == "Promoted"]
     assert len(winners) == 1, statuses
     (loser,) = set(statuses) - set(winners)
-    assert statuses[loser]["reason"] == "MasterMoved", statuses[loser]
+    assert (statuses[loser]["phase"], statuses[loser]["reason"]) == ("Conflict",
+                                                                     "RebaseConflict")
     master = json.loads(c.get(CMS, "default-master")["data"]["master.json"])
     assert master["experiment"] == winners[0]
     promotions = json.loads(c.get(CMS, "default-master")["data"]["promotions.json"])

@@ -541,7 +541,12 @@ def cmd_logs(a) -> int:
         raise CliError(f"experiment {a.name!r} is {phase} and has no run yet; `autolab run` "
                        f"starts it, `autolab get -w` shows when it does")
     backend = lab.backend_for(job["backend"])
-    path = backend.log_path(job["name"]) if hasattr(backend, "log_path") else None
+    path = None
+    # The experiment's first run (its place-1 run) where its log is kept; else its last run.
+    for run in dict.fromkeys(r for r in (st.get("run"), job["name"]) if r):
+        path = backend.log_path(run) if hasattr(backend, "log_path") else None
+        if path is not None and Path(path).exists():
+            break
     if path is None or not Path(path).exists():
         raise CliError(f"no log for run {job['name']} on this machine")
     # The log is the candidate's output: escape sequences in it would reach the reader's

@@ -567,8 +567,6 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     ok = run.state == "succeeded" and _finite(val)
     row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
     s.intents.append(Intent("record", {"row": row}))
-    s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
-    st["job"] = None
     if not ok:
         why = (run.result or {}).get("reason") or run.message or run.state
         if program == "master" or run.state in ("error", "lost"):
