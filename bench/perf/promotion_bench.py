@@ -255,14 +255,14 @@ def campaign(trials: int, rng: random.Random, tmp: Path, per: int = 20, true: in
 
 
 def handicap(trials: int, rng: random.Random, tmp: Path) -> dict:
-    """Switch 0 fixes a handicap (a gain of 20 paired sds; while it is off the program spreads
+    """Switch 0 fixes a handicap (a gain of 60 paired sds; while it is off the program spreads
     HANDICAP times wider); switch 1 is then a true gain of GAIN_SDS of the fixed program's
     paired sd, applied once switch 0 is in."""
     out = {"trials": 0, "fixed": 0, "gain": 0, "seconds": 0.0}
     started = time.time()
     for k in range(trials):
         lab = make_lab(tmp / f"handicap-{k}")
-        backend = StandIn(rng, {0: 20 * PAIRED, 1: GAIN_SDS * PAIRED}, set(), handicap=0)
+        backend = StandIn(rng, {0: 60 * PAIRED, 1: GAIN_SDS * PAIRED}, set(), handicap=0)
         lab.backends["local"] = backend
         lab.apply_file(spec(lab, 0), "bench")
         fixed = settle(lab)["switch-00"].get("outcome") == "Promoted"
