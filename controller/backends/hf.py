@@ -638,7 +638,7 @@ class HfBackend:
                                  "environment; make train.py smaller")
         # The run's name goes in the environment, not the command: where the candidate runs as
         # another uid in the job's container (uid mode), every process's command line is open
-        # to it, and a confirm run's name (`-c3`) would tell it its place among the confirm runs.
+        # to it, and a pair run's name (`-p3`) would tell it its place among its pair runs.
         command = ["python3", "-c", BOOTSTRAP, "run", "--profile", req.profile,
                    "--source", req.data]
         if req.budget_seconds:

@@ -119,8 +119,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GPU = "nvidia.com/gpu"
 RUN_UID = 10001  # bench/Dockerfile's user
 # Every run's Pod has this hostname. A Pod's hostname is otherwise its name, the Job's (the run's)
-# with a suffix: `exp-<name>-<attempt>-c3-x7k2p` tells a candidate (`hostname`, $HOSTNAME,
-# /etc/hostname, /etc/hosts) its place among the confirm runs, and with it whose run comes next
+# with a suffix: `exp-<name>-<attempt>-p3-x7k2p` tells a candidate (`hostname`, $HOSTNAME,
+# /etc/hostname, /etc/hosts) its place among its pair runs, and with it whose run comes next
 # on its machine (controller.core.reconcile.next_run). One fixed DNS label says nothing.
 POD_HOSTNAME = "autolab-run"
 

@@ -16,7 +16,7 @@ took to be scored:
   existed, a harness that does not report it): then the profile's limit holds.
 
 The master's time comes from its measured run: the baseline, or the run that
-promoted it. Runs of the master itself (baseline, noise and confirm runs) get
+promoted it. Runs of the master itself (baseline, noise and pair runs) get
 the profile's limit: they are how the bound is learned.
 """
 

@@ -15,7 +15,7 @@ import threading
 from controller.core.status import CONFIRMING, QUEUED, ExperimentStatus
 
 UNLIMITED = "cluster"  # the slot of a run whose backend schedules by itself
-# An experiment measured once and waiting for its next run (a follow-up, a confirm run) goes
+# An experiment measured once and waiting for its next run (a follow-up, a pair run) goes
 # before the first runs of others, whatever their priority: a decision half made holds the
 # lab's attention, and the longer it waits the likelier the master moves under it (and it
 # starts over).
@@ -71,7 +71,7 @@ class SlotBook:
             if self.confirming == name and not confirm:
                 self.confirming = None  # its verdict is in (or it started over): the next one
             if confirm and st.job and self.confirming is None:
-                self.confirming = name  # a confirm run in flight holds the token
+                self.confirming = name  # a pair run in flight holds the token
             if not st.active:
                 return
             for h in st.hashes:
@@ -101,8 +101,8 @@ class SlotBook:
               confirm: bool = False) -> str | None:
         """A slot for `name` if it is next in line, reserved until `observe` or `release`.
 
-        `confirm`: the run is one of its confirm runs. Confirmations go one experiment at a
-        time: while another's are under way, this one waits (and takes no slot from others).
+        `confirm`: the run is one of its pair runs past the first. Confirmations go one experiment
+        at a time: while another's are under way, this one waits (and takes no slot from others).
         Each promotion makes every confirmation in flight start over on the new master, so
         confirmations side by side mostly measure pairs that can no longer be promoted.
         """

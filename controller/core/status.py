@@ -61,7 +61,7 @@ class Reason:
     PAIR_RUN_LOST = "PairRunLost"  # a pair run ended with no value, not the candidate's doing
     CONFIRMED = "Confirmed"       # the pairs' test says it is better
     WITHIN_NOISE = "WithinNoise"  # its pairs show no gain (the test's verdict, or its cap)
-    NOT_CONFIRMED = "NotConfirmed"  # a confirm run failed: no verdict, no promotion
+    NOT_CONFIRMED = "NotConfirmed"  # a pair run of the candidate failed: no verdict
     NEAR_DUPLICATE = "NearDuplicate"  # moves a constant the way a rejected experiment did
     PROMOTED = PROMOTED
     REJECTED = REJECTED

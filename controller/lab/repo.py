@@ -432,7 +432,7 @@ class LabRepo:
         return self.source_of(f"autolab/exp/{name}")
 
     def source_of(self, commit: str) -> str:
-        """The surface file as it is in `commit` (a master's, for its confirm runs)."""
+        """The surface file as it is in `commit` (a master's, for its pair runs)."""
         return self.git("show", f"{commit}:{self.lab.surface}").stdout
 
 
