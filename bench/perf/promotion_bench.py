@@ -316,6 +316,68 @@ def sequential(trials: int, rng: random.Random) -> None:
         print(f"gain {delta:g} paired sds | " + " | ".join(cells), flush=True)
 
 
+def core_rows(kind: str, decisions: int, rng: random.Random, per_master: int = 40) -> dict:
+    """The same rows as `one_at_a_time`, decided by the core alone: `reconcile()` with the
+    stand-in's values, the master's places kept in a dict, and what the engine does for the
+    intents (a run, a place kept, a promotion) done here. Thousands of decisions a minute, where
+    the real controller (git, files, the slot book) takes about a second each on 2 cores."""
+    from controller.core.reconcile import Master, World, reconcile
+    from controller.core.spec import ExperimentSpec, LabSpec
+
+    lab_spec = LabSpec(profile="tiny")   # the lab's defaults: minDelta auto
+    spec = ExperimentSpec(hypothesis="x", parent="m", diff="--- a/train.py")
+    out = {"decisions": 0, "promoted": 0, "runs": 0, "win_runs": 0}
+    gain = GAIN_SDS * PAIRED * (1 if kind == "gain" else -1 if kind == "loser" else 0)
+    while out["decisions"] < decisions:
+        parts: dict = {}
+        draw = lambda key, sd: parts.setdefault(key, rng.gauss(0.0, sd))  # noqa: E731
+        def value(total_gain: float, init: object, place: int) -> float:
+            v = BASE - total_gain + draw(("data", place), DATA) + draw(("init", init, place), INIT)
+            return round(v + rng.gauss(0.0, GPU), 6)
+        master_gain, master_init, version = 0.0, "seed", 0
+        places = {1: value(0.0, "seed", 1)}
+        for k in range(min(per_master, decisions - out["decisions"])):
+            init = f"seed-{k}" if kind == "seed" else master_init
+            master = Master(hash=f"{version:040d}", semantic_hash="s", commit="c",
+                            val_bpb=places[1], places=dict(places))
+            st: dict = {"phase": "Queued", "parentHash": master.hash, "candidateHash": "c" * 40,
+                        "queuedAt": "t", "conditions": []}
+            spent, promoted = 0, False
+            for _ in range(200):
+                w = World(name=f"e{k}", spec=spec, lab=lab_spec, master=master, now="t",
+                          status=st, slot="0", tries=1, entropy=rng.getrandbits(64))
+                d = reconcile(w)
+                sub = next((i for i in d.intents if i.kind == "submit"), None)
+                if sub is not None:
+                    spent += 1
+                    mine = sub.args["program"] == "candidate"
+                    val = value(master_gain + (gain if mine else 0.0),
+                                init if mine else master_init, sub.args["place"])
+                    d = reconcile(World(name=f"e{k}", spec=spec, lab=lab_spec, master=master,
+                                        now="t", status=d.status, run=RunObservation(
+                                            sub.args["run"], "succeeded",
+                                            result={"metrics": {"val_bpb": val}})))
+                for i in d.intents:
+                    if i.kind == "set-place":
+                        places.setdefault(int(i.args["place"]), i.args["val_bpb"])
+                    if i.kind == "promote":
+                        promoted = True
+                st = d.status
+                master = Master(hash=master.hash, semantic_hash="s", commit="c",
+                                val_bpb=places[1], places=dict(places))
+                if promoted or st.get("phase") in ("Succeeded", "Failed"):
+                    break
+            if promoted:
+                places = {int(p): v for p, v in next(
+                    i for i in d.intents if i.kind == "promote").args["places"].items()}
+                master_gain, master_init, version = master_gain + gain, init, version + 1
+                out["promoted"] += 1
+                out["win_runs"] += spent
+            out["decisions"] += 1
+            out["runs"] += spent
+    return out
+
+
 def pct(a: int, b: int) -> str:
     return f"{a}/{b} ({100 * a / b:.1f} %)" if b else "-"
 
@@ -326,6 +388,8 @@ def main() -> int:
     ap.add_argument("--decisions", type=int, default=1000, help="decisions per one-at-a-time row")
     ap.add_argument("--trials", type=int, default=100, help="trials of the campaign and handicap")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--core", action="store_true",
+                    help="decide the one-at-a-time rows with the core alone (fast; no lab)")
     ap.add_argument("--sequential", type=int, metavar="TRIALS",
                     help="only compare the split t with a mixture test on normal pairs")
     a = ap.parse_args()
@@ -343,7 +407,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="autolab-promotion-") as tmp:
         for row in rows:
             if row in ("noop", "seed", "gain", "loser"):
-                r = one_at_a_time(row, a.decisions, rng, Path(tmp))
+                r = core_rows(row, a.decisions, rng) if a.core else \
+                    one_at_a_time(row, a.decisions, rng, Path(tmp))
+                r.setdefault("seconds", 0.0)
                 per = r["runs"] / r["decisions"]
                 line = (f"{row:8} promoted {pct(r['promoted'], r['decisions'])}, "
                         f"{per:.2f} runs per decision")
