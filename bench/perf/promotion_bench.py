@@ -407,9 +407,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="autolab-promotion-") as tmp:
         for row in rows:
             if row in ("noop", "seed", "gain", "loser"):
+                began = time.time()
                 r = core_rows(row, a.decisions, rng) if a.core else \
                     one_at_a_time(row, a.decisions, rng, Path(tmp))
-                r.setdefault("seconds", 0.0)
+                r["seconds"] = time.time() - began
                 per = r["runs"] / r["decisions"]
                 line = (f"{row:8} promoted {pct(r['promoted'], r['decisions'])}, "
                         f"{per:.2f} runs per decision")

@@ -385,8 +385,8 @@ class Rig:
         self.start_bystander()
         for attempt in range(BASELINE_ATTEMPTS):
             # --min-delta 0: a lab that promotes any improvement, the easiest one for a false
-            # metric to get into the master (a lab made by `autolab init` measures its noise first,
-            # and a win must clear it).
+            # metric to get into the master (a lab made by `autolab init` judges in pairs,
+            # one at a time, and a win must show in them).
             rc, out = self.cli("init", str(self.lab), "--profile", "tiny", "--data", "synthetic", "--budget", str(BUDGET),
                                "--min-delta", "0")
             assert rc == 0, f"autolab init failed:\n{out}"
