@@ -71,6 +71,7 @@ class Turn:
     tools: list[str]             # names of the tools offered
     step: int                    # how many model answers the conversation already holds
     body: dict                   # the request as sent
+    user_messages: list[str] = field(default_factory=list)  # each user message, in order
 
     @property
     def last_result(self) -> str:
@@ -132,7 +133,7 @@ def chat_turn(body: dict) -> Turn:
         elif role == "tool":
             results.append(_text(m.get("content")))
     tools = [t.get("function", {}).get("name", "") for t in body.get("tools") or []]
-    return Turn("chat", "\n".join(system), "\n".join(user), results, tools, step, body)
+    return Turn("chat", "\n".join(system), "\n".join(user), results, tools, step, body, user)
 
 
 def responses_turn(body: dict) -> Turn:
@@ -161,7 +162,7 @@ def responses_turn(body: dict) -> Turn:
             answered = False
     tools = [t.get("name") or t.get("type", "") for t in body.get("tools") or []]
     return Turn("responses", "\n".join(s for s in system if s), "\n".join(user), results,
-                tools, step, body)
+                tools, step, body, user)
 
 
 class ScriptedModel:

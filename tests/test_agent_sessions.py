@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ PINS = json.loads((REPO / "tools" / "agent-runtimes" / "package.json").read_text
 BIN = REPO / ".devtools" / "agent-runtimes" / "node_modules" / ".bin"
 AUTOLAB = Path(sys.executable).parent / "autolab"
 SESSION_TIMEOUT = 150
+# One session per runtime: its tests share one pytest worker (`./dev test` runs
+# `--dist loadgroup`), so a session is never played twice.
+OPENCODE = pytest.mark.xdist_group("opencode-session")
+CODEX = pytest.mark.xdist_group("codex-session")
 
 IDEA = {"campaign": "schedule", "old": "WARMDOWN_RATIO = 0.5", "new": "WARMDOWN_RATIO = 0.3",
         "hypothesis": "A shorter warmdown keeps the peak learning rate for longer."}
@@ -160,7 +165,10 @@ def opencode_script(lab: LocalLab) -> list[Rule]:
                 ("bash", {"command": f"autolab new {name} --campaign {IDEA['campaign']} -w "
                                      f"--hypothesis \"{IDEA['hypothesis']}\""}),
                 ("bash", {"command": f"autolab validate {draft} -o json"}),
-                ("bash", {"command": f"autolab apply -f {draft}"})]
+                ("bash", {"command": f"autolab apply -f {draft}"}),
+                # The master's own surface is not the worker's to edit: refused.
+                ("edit", {"filePath": str(lab.root / "bench" / "train.py"),
+                          "oldString": IDEA["old"], "newString": IDEA["new"]})]
         if t.step < len(plan):
             tool, args = plan[t.step]
             if tool == "bash":
@@ -221,6 +229,7 @@ def opencode_session(tmp_path_factory):
     return lab, model, prompt, p.stdout, seconds
 
 
+@OPENCODE
 def test_opencode_session_receives_the_kickoff_prompt_the_agent_file_and_the_rulebook(
         opencode_session):
     lab, model, prompt, _, _ = opencode_session
@@ -239,6 +248,7 @@ def test_opencode_session_receives_the_kickoff_prompt_the_agent_file_and_the_rul
     assert "edit" not in first.tools and "write" not in first.tools
 
 
+@OPENCODE
 def test_opencode_primary_delegates_to_the_planner_then_to_a_worker(opencode_session):
     _, model, _, _, _ = opencode_session
     order = [c.arguments["subagent_type"] for c in model.calls("autolab")]
@@ -249,6 +259,7 @@ def test_opencode_primary_delegates_to_the_planner_then_to_a_worker(opencode_ses
     assert "warmdown-03" in model.turns("autolab")[2].last_result
 
 
+@OPENCODE
 def test_opencode_worker_runs_the_four_authoring_commands_and_the_spec_runs(opencode_session):
     lab, model, _, _, _ = opencode_session
     turns = model.turns("experiment-worker")
@@ -258,7 +269,8 @@ def test_opencode_worker_runs_the_four_authoring_commands_and_the_spec_runs(open
     assert "experiments/drafts/warmdown-03.yaml" in results[3]        # autolab new -w
     finding = json.loads(output_of(results[4]))[0]                    # autolab validate -o json
     assert finding["ok"] and finding["phase"] == "Queued", finding
-    assert "warmdown-03" in results[5]                                # autolab apply -f
+    assert "warmdown-03 created" in results[5]                        # autolab apply -f
+    assert "rule which prevents you from using this specific tool call" in results[6]
     spec = yaml.safe_load((lab.root / "experiments/warmdown-03.yaml").read_text())
     assert f"+{IDEA['new']}" in spec["spec"]["diff"]
     run_controller(lab)
@@ -266,13 +278,14 @@ def test_opencode_worker_runs_the_four_authoring_commands_and_the_spec_runs(open
     assert row["status"] == "succeeded" and float(row["val_bpb"]) > 0, row
 
 
+@OPENCODE
 def test_opencode_refuses_a_reviewer_that_edits_the_surface(opencode_session):
     lab, model, _, _, _ = opencode_session
     turns = model.turns("reviewer")
     assert "edit" not in turns[0].tools and "bash" in turns[0].tools
     edit, sed, validate = turns[-1].results
-    assert re.search(r"(?i)unavailable|not available|invalid|denied|rule", edit), edit
-    assert re.search(r"(?i)denied|rule", sed) and "WARMDOWN" not in sed.split("rule")[0], sed
+    assert "unavailable tool 'edit'" in edit, edit
+    assert "rule which prevents you from using this specific tool call" in sed, sed
     assert json.loads(output_of(validate))[0]["name"] == "warmdown-03"
     assert surface_untouched(lab)
     text = (lab.root / "bench" / "train.py").read_text()
@@ -317,7 +330,7 @@ def codex_script(lab: LocalLab, names: tuple[str, str]) -> list[Rule]:
         return Reply(text=yaml.safe_dump({"experiment": name, "spec_file": draft}))
 
     return [Rule("experiment-worker", r"# Autolab experiment-worker\n", worker),
-            Rule("parent", r"^# Autolab parent session\n", parent, in_user=True)]
+            Rule("parent", r"(?m)^# Autolab parent session\n", parent, in_user=True)]
 
 
 def codex_home(model: ScriptedModel, lab: LocalLab) -> Path:
@@ -367,22 +380,24 @@ def codex_session(tmp_path_factory):
     return lab, model, prompt, names, seconds
 
 
+@CODEX
 def test_codex_session_receives_the_kickoff_prompt_the_agent_file_and_the_rulebook(
         codex_session):
     lab, model, prompt, _, _ = codex_session
     first = model.turns("parent")[0]
-    assert prompt.strip() in first.user
+    assert prompt.strip() in [m.strip() for m in first.user_messages]
     assert rulebook(lab).strip() in first.user  # Codex hands AGENTS.md over as a user message
     spawn = next(t for t in first.body["tools"] if t.get("name") == "multi_agent_v1")
     spawn_text = json.dumps(spawn)
     assert "experiment-worker" in spawn_text  # the rendered .codex/agents/ were loaded
-    instructions = __import__("tomllib").loads(
-        (lab.root / ".codex/agents/experiment-worker.toml").read_text())["developer_instructions"]
-    for turn in [ts[0] for ts in [model.turns("experiment-worker")]]:
+    instructions = tomllib.loads((lab.root / ".codex/agents/experiment-worker.toml")
+                                 .read_text())["developer_instructions"]
+    for turn in model.turns("experiment-worker"):
         assert instructions.strip() in turn.system
         assert rulebook(lab).strip() in turn.user
 
 
+@CODEX
 def test_codex_workers_run_the_authoring_commands_in_the_sandbox(codex_session):
     lab, model, _, names, _ = codex_session
     finals = {re.search(r"name: ([a-z0-9-]+);", t.user).group(1): t
@@ -398,6 +413,7 @@ def test_codex_workers_run_the_authoring_commands_in_the_sandbox(codex_session):
         assert (lab.root / "experiments" / f"{name}.yaml").exists()
 
 
+@CODEX
 def test_two_workers_with_the_same_idea_spend_the_gpu_once(codex_session):
     lab, _, _, names, _ = codex_session
     run_controller(lab)
@@ -409,8 +425,3 @@ def test_two_workers_with_the_same_idea_spend_the_gpu_once(codex_session):
     assert not rows[dup[0]]["val_bpb"] and not rows[dup[0]]["job_id"]
     runs = {p.name for p in (lab.root / ".autolab" / "runs").iterdir()}
     assert any(ran[0] in r for r in runs) and not any(dup[0] in r for r in runs), runs
-
-
-def test_both_sessions_fit_the_time_budget(opencode_session, codex_session):
-    """The sessions themselves (not the runs they start) stay well inside the CI budget."""
-    assert opencode_session[4] + codex_session[4] < 120

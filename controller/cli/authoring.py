@@ -26,7 +26,12 @@ reporter) each have one contract in `agents/<role>.md`: YAML front matter
 (purpose, capabilities, what to read, what it may change, the fields it must
 return) and a body of instructions. `autolab agents render --for RUNTIME`
 writes each runtime's native files from it (OpenCode, Claude Code, Codex, Pi,
-Hermes), so the copies never drift: edit the contract, render again.
+Hermes), so the copies never drift: edit the contract, render again. A role
+gets what its contract grants in the runtime's own terms: OpenCode permissions
+allow the files it may change and the commands it lists and refuse the rest;
+Codex's project config opens the lab's .git to its workspace-write sandbox,
+where the authoring commands make git worktrees. tests/test_agent_sessions.py
+runs the real runtimes over these files.
 `autolab kickoff` prints the parent session's prompt, with the number of
 concurrent experiment-workers capped by the lab's GPU slots.
 """
