@@ -77,14 +77,6 @@ class Turn:
     def last_result(self) -> str:
         return self.results[-1] if self.results else ""
 
-    def tool(self, *names: str) -> str:
-        """The first of `names` that the runtime offers (tool names differ between runtimes)."""
-        for n in names:
-            if n in self.tools:
-                return n
-        raise AssertionError(f"none of the tools {names} is offered; the runtime offers "
-                             f"{self.tools}")
-
 
 @dataclass
 class Rule:
@@ -250,6 +242,8 @@ class ScriptedModel:
                 self.wfile.write(data)
 
             def do_GET(self):
+                with server._lock:
+                    server.exchanges.append(Exchange(self.path, {}, None, None, None, time.time()))
                 if self.path.rstrip("/").endswith("/models"):
                     self._json(200, {"object": "list", "data": [
                         {"id": server.model, "object": "model", "created": 0,

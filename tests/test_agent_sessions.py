@@ -74,7 +74,7 @@ def runtime(binary: str, package: str) -> Path:
 
 def make_lab(root: Path, gpu_slots: int, *runtimes: str) -> LocalLab:
     """A tiny lab whose wins need one run, with the agents rendered as a user would."""
-    lab = init_lab(root, profile="tiny", data="synthetic", min_delta=0)
+    lab = init_lab(root, profile="tiny", data="synthetic", budget=2, min_delta=0)
     args = ["agents", "render", "--out", str(root), "--gpu-slots", str(gpu_slots)]
     for r in runtimes:
         args += ["--for", r]
@@ -95,7 +95,11 @@ def offline_home(base: Path) -> dict[str, str]:
     return {"PATH": f"{AUTOLAB.parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(base),
             "XDG_CONFIG_HOME": str(base / ".config"), "XDG_DATA_HOME": str(base / ".local/share"),
             "XDG_CACHE_HOME": str(base / ".cache"), "XDG_STATE_HOME": str(base / ".local/state"),
-            "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1"}
+            "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1",
+            # Anything but the scripted model goes to a closed port, internet or not.
+            **{k: "http://127.0.0.1:9" for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy",
+                                                 "https_proxy", "ALL_PROXY", "all_proxy")},
+            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
 def body(path: Path) -> str:
@@ -233,6 +237,7 @@ def opencode_session(tmp_path_factory):
 def test_opencode_session_receives_the_kickoff_prompt_the_agent_file_and_the_rulebook(
         opencode_session):
     lab, model, prompt, _, _ = opencode_session
+    assert {e.path for e in model.exchanges} == {"/v1/chat/completions"}  # nothing else asked
     first = model.turns("autolab")[0]
     assert first.user.strip() == prompt.strip()
     assert body(lab.root / ".opencode/agents/autolab.md").strip() in first.system
@@ -384,6 +389,7 @@ def codex_session(tmp_path_factory):
 def test_codex_session_receives_the_kickoff_prompt_the_agent_file_and_the_rulebook(
         codex_session):
     lab, model, prompt, _, _ = codex_session
+    assert {e.path for e in model.exchanges} == {"/v1/responses"}  # nothing else asked
     first = model.turns("parent")[0]
     assert prompt.strip() in [m.strip() for m in first.user_messages]
     assert rulebook(lab).strip() in first.user  # Codex hands AGENTS.md over as a user message
