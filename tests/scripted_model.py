@@ -21,8 +21,9 @@ Wire formats (checked against the runtimes' own request and stream parsers):
 
 A script is a list of `Rule`s. Each request is first reduced to a `Turn`:
 the system text (system and developer messages, and instructions), the user
-text, the tool results so far, the tools offered, and how many times the
-model has already answered in this conversation (`step`). The first rule whose
+text, the tool calls and results the runtime sent back, the tools offered,
+and how many times the model has already answered in this conversation
+(`step`). The first rule whose
 `when` matches the turn's system text (or its user text) answers it: its `play(turn)`
 returns a `Reply` (text, or tool calls by name and arguments). Replies depend
 only on what was sent, never on the order sessions arrive in, so concurrent
@@ -72,6 +73,7 @@ class Turn:
     step: int                    # how many model answers the conversation already holds
     body: dict                   # the request as sent
     user_messages: list[str] = field(default_factory=list)  # each user message, in order
+    calls: list[Call] = field(default_factory=list)  # the model's tool calls, as sent back
 
     @property
     def last_result(self) -> str:
@@ -112,8 +114,15 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def _arguments(text: Any) -> dict:
+    try:
+        return json.loads(text) if isinstance(text, str) else dict(text or {})
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return {"unparsed": text}
+
+
 def chat_turn(body: dict) -> Turn:
-    system, user, results, step = [], [], [], 0
+    system, user, results, step, calls = [], [], [], 0, []
     for m in body.get("messages", []):
         role = m.get("role")
         if role in ("system", "developer"):
@@ -122,15 +131,18 @@ def chat_turn(body: dict) -> Turn:
             user.append(_text(m.get("content")))
         elif role == "assistant":
             step += 1
+            calls += [Call(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                      for c in m.get("tool_calls") or []]
         elif role == "tool":
             results.append(_text(m.get("content")))
     tools = [t.get("function", {}).get("name", "") for t in body.get("tools") or []]
-    return Turn("chat", "\n".join(system), "\n".join(user), results, tools, step, body, user)
+    return Turn("chat", "\n".join(system), "\n".join(user), results, tools, step, body, user,
+                calls)
 
 
 def responses_turn(body: dict) -> Turn:
     system = [_text(body.get("instructions"))]
-    user, results, step, answered = [], [], 0, False
+    user, results, step, answered, calls = [], [], 0, False, []
     items = body.get("input") or []
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -148,13 +160,15 @@ def responses_turn(body: dict) -> Turn:
         elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
             if not answered:
                 step, answered = step + 1, True
+            calls.append(Call(it.get("name", kind), _arguments(it.get("arguments")),
+                              it.get("namespace")))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             out = it.get("output")
             results.append(out if isinstance(out, str) else _text(out))
             answered = False
     tools = [t.get("name") or t.get("type", "") for t in body.get("tools") or []]
     return Turn("responses", "\n".join(s for s in system if s), "\n".join(user), results,
-                tools, step, body, user)
+                tools, step, body, user, calls)
 
 
 class ScriptedModel:
@@ -191,8 +205,18 @@ class ScriptedModel:
                 if e.turn is not None and e.rule is not None and (rule is None or e.rule == rule)]
 
     def calls(self, rule: str | None = None) -> list[Call]:
+        """The tool calls the script made (a rule's, or all), in the order it made them."""
         return [c for e in self.exchanges if e.reply and e.rule is not None
                 and (rule is None or e.rule == rule) for c in e.reply.calls]
+
+    def replies_to(self, conversation: Turn) -> list[Call]:
+        """The calls the script made in one conversation: its answers to the earlier requests
+        that `conversation` continues (the same system text, their user messages first)."""
+        def earlier(t: Turn) -> bool:
+            return (t.system == conversation.system and t.step < conversation.step
+                    and conversation.user_messages[:len(t.user_messages)] == t.user_messages)
+        return [c for e in self.exchanges if e.turn and e.reply and e.rule is not None
+                and earlier(e.turn) for c in e.reply.calls]
 
     def transcript(self) -> str:
         """A short account of every exchange, for assertion messages."""

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 PINS = json.loads((REPO / "tools" / "agent-runtimes" / "package.json").read_text())
 BIN = REPO / ".devtools" / "agent-runtimes" / "node_modules" / ".bin"
 AUTOLAB = Path(sys.executable).parent / "autolab"
-SESSION_TIMEOUT = 150
+SESSION_TIMEOUT = 300  # a session takes 3-25 s; a loaded CI machine gets room, a hang fails
 # One session per runtime: its tests share one pytest worker (`./dev test` runs
 # `--dist loadgroup`), so a session is never played twice.
 OPENCODE = pytest.mark.xdist_group("opencode-session")
@@ -114,6 +114,15 @@ def rulebook(lab: LocalLab) -> str:
 def output_of(result: str) -> str:
     """A shell tool's output without the runtime's preamble (Codex heads it with `Output:`)."""
     return result.split("\nOutput:\n", 1)[-1].strip()
+
+
+def sent_back(model: ScriptedModel, turn: Turn) -> list[tuple[str, dict]]:
+    """The tool calls a runtime sent back in `turn`'s history, checked against the calls the
+    script made in that conversation: the runtime carried out exactly what it was told."""
+    made = [(c.name, c.arguments) for c in model.replies_to(turn)]
+    sent = [(c.name, c.arguments) for c in turn.calls]
+    assert sent == made, f"the runtime sent back {sent}, the script made {made}"
+    return sent
 
 
 def ledger(lab: LocalLab) -> dict[str, dict]:
@@ -198,6 +207,21 @@ def opencode_script(lab: LocalLab) -> list[Rule]:
             Rule("autolab", r"# Autolab parent session\n", primary)]
 
 
+def play(command: list[str], model: ScriptedModel, **kw) -> tuple[subprocess.CompletedProcess,
+                                                                    float]:
+    """Run a session to its end; on failure or a hang, say what the model saw."""
+    started = time.monotonic()
+    try:
+        p = subprocess.run(command, capture_output=True, text=True, timeout=SESSION_TIMEOUT, **kw)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{command[1]} {command[2]} ran past {SESSION_TIMEOUT} s:\n"
+                    f"{(e.stderr or b'')[-3000:]!r}\n{model.transcript()}")
+    assert p.returncode == 0 and not model.errors, \
+        f"{command[1]} {command[2]} failed ({p.returncode}):\n{p.stderr[-4000:]}\n" \
+        f"{model.transcript()}"
+    return p, time.monotonic() - started
+
+
 def opencode_env(home: Path, model: ScriptedModel) -> dict[str, str]:
     """OpenCode on the scripted model, with every call home turned off."""
     config = {"$schema": "https://opencode.ai/config.json",
@@ -221,15 +245,11 @@ def opencode_session(tmp_path_factory):
     lab = make_lab(root / "lab", 1, "opencode")
     prompt = kickoff(lab, "opencode", 1)
     with ScriptedModel(opencode_script(lab)) as model:
-        started = time.monotonic()
         # `autolab kickoff | opencode run --agent autolab`: as an argument, OpenCode would
         # hand the prompt over in quotes (it quotes every argument with a space in it).
-        p = subprocess.run([str(opencode), "run", "--agent", "autolab", "--format", "json"],
-                           input=prompt, cwd=lab.root, env=opencode_env(root / "home", model),
-                           capture_output=True, text=True, timeout=SESSION_TIMEOUT)
-        seconds = time.monotonic() - started
-    assert p.returncode == 0 and not model.errors, \
-        f"opencode run failed ({p.returncode}):\n{p.stderr[-4000:]}\n{model.transcript()}"
+        p, seconds = play([str(opencode), "run", "--agent", "autolab", "--format", "json"],
+                          model, input=prompt, cwd=lab.root,
+                          env=opencode_env(root / "home", model))
     return lab, model, prompt, p.stdout, seconds
 
 
@@ -258,6 +278,8 @@ def test_opencode_primary_delegates_to_the_planner_then_to_a_worker(opencode_ses
     _, model, _, _, _ = opencode_session
     order = [c.arguments["subagent_type"] for c in model.calls("autolab")]
     assert order == ["planner", "experiment-worker", "reviewer"]
+    sent = sent_back(model, model.turns("autolab")[-1])
+    assert [name for name, _ in sent] == ["task"] * 3
     planner = model.turns("planner")
     assert "afe388e5b85f" in planner[1].last_result  # `autolab master` ran in its bash tool
     # The planner's answer came back to the primary as the task's result.
@@ -269,6 +291,9 @@ def test_opencode_worker_runs_the_four_authoring_commands_and_the_spec_runs(open
     lab, model, _, _, _ = opencode_session
     turns = model.turns("experiment-worker")
     results = turns[-1].results
+    commands = [args.get("command") for tool, args in sent_back(model, turns[-1])
+                if tool == "bash"]
+    assert [c.split()[1] for c in commands] == ["worktree", "new", "validate", "apply"]
     scratch = output_of(results[0])
     assert scratch.endswith(".autolab/scratch/warmdown-03"), model.transcript()
     assert "experiments/drafts/warmdown-03.yaml" in results[3]        # autolab new -w
@@ -288,6 +313,10 @@ def test_opencode_refuses_a_reviewer_that_edits_the_surface(opencode_session):
     lab, model, _, _, _ = opencode_session
     turns = model.turns("reviewer")
     assert "edit" not in turns[0].tools and "bash" in turns[0].tools
+    # OpenCode records the call of a tool it does not offer as its own `invalid` tool.
+    sent, made = turns[-1].calls, model.replies_to(turns[-1])
+    assert (sent[0].name, sent[0].arguments["tool"], made[0].name) == ("invalid", "edit", "edit")
+    assert [(c.name, c.arguments) for c in sent[1:]] == [(c.name, c.arguments) for c in made[1:]]
     edit, sed, validate = turns[-1].results
     assert "unavailable tool 'edit'" in edit, edit
     assert "rule which prevents you from using this specific tool call" in sed, sed
@@ -373,15 +402,10 @@ def codex_session(tmp_path_factory):
         try:
             env = {**offline_home(home), "CODEX_HOME": str(home),
                    "SCRIPTED_API_KEY": "not-a-key", "RUST_LOG": "error"}
-            started = time.monotonic()
-            p = subprocess.run([str(codex), "exec", "--json", prompt], cwd=lab.root, env=env,
-                               capture_output=True, text=True, timeout=SESSION_TIMEOUT,
-                               stdin=subprocess.DEVNULL)
-            seconds = time.monotonic() - started
+            _, seconds = play([str(codex), "exec", "--json", prompt], model, cwd=lab.root,
+                              env=env, stdin=subprocess.DEVNULL)
         finally:
             shutil.rmtree(home, ignore_errors=True)
-    assert p.returncode == 0 and not model.errors, \
-        f"codex exec failed ({p.returncode}):\n{p.stderr[-4000:]}\n{model.transcript()}"
     return lab, model, prompt, names, seconds
 
 
@@ -393,6 +417,8 @@ def test_codex_session_receives_the_kickoff_prompt_the_agent_file_and_the_rulebo
     first = model.turns("parent")[0]
     assert prompt.strip() in [m.strip() for m in first.user_messages]
     assert rulebook(lab).strip() in first.user  # Codex hands AGENTS.md over as a user message
+    sent = sent_back(model, model.turns("parent")[-1])
+    assert [name for name, _ in sent] == ["spawn_agent", "spawn_agent", "wait_agent", "wait_agent"]
     spawn = next(t for t in first.body["tools"] if t.get("name") == "multi_agent_v1")
     spawn_text = json.dumps(spawn)
     assert "experiment-worker" in spawn_text  # the rendered .codex/agents/ were loaded
@@ -410,6 +436,9 @@ def test_codex_workers_run_the_authoring_commands_in_the_sandbox(codex_session):
               for t in model.turns("experiment-worker") if len(t.results) == 5}
     assert set(finals) == set(names), model.transcript()
     for name, t in finals.items():
+        commands = [args["cmd"] for _, args in sent_back(model, t)]
+        assert [c.split()[1] for c in commands if c.startswith("autolab")] == \
+            ["worktree", "new", "validate", "apply"]
         assert output_of(t.results[0]).endswith(f".autolab/scratch/{name}"), t.results[0]
         assert "exited with code 0" in t.results[1]
         assert f"experiments/drafts/{name}.yaml" in t.results[2]
