@@ -129,8 +129,12 @@ def ledger(lab: LocalLab) -> dict[str, dict]:
     return {r["experiment_id"]: r for r in LocalLab(lab.root).ledger.rows()}
 
 
-def run_controller(lab: LocalLab) -> None:
-    assert cli.main(["run", "--lab", str(lab.root), "--interval", "0.3"]) == 0
+def run_controller(lab: LocalLab) -> str:
+    """`autolab run` in the lab, as the kickoff has the parent session start it: no terminal."""
+    p = subprocess.run([str(AUTOLAB), "run", "--interval", "0.3"], cwd=lab.root,
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
 
 
 def surface_untouched(lab: LocalLab) -> bool:
@@ -303,9 +307,11 @@ def test_opencode_worker_runs_the_four_authoring_commands_and_the_spec_runs(open
     assert "rule which prevents you from using this specific tool call" in results[6]
     spec = yaml.safe_load((lab.root / "experiments/warmdown-03.yaml").read_text())
     assert f"+{IDEA['new']}" in spec["spec"]["diff"]
-    run_controller(lab)
+    said = run_controller(lab)
     row = ledger(lab)["warmdown-03"]
     assert row["status"] == "succeeded" and float(row["val_bpb"]) > 0, row
+    # What the controller prints fits an agent's context (a shell tool shows it whole).
+    assert "warmdown-03" in said and len(said) < 4000, said
 
 
 @OPENCODE
@@ -320,7 +326,9 @@ def test_opencode_refuses_a_reviewer_that_edits_the_surface(opencode_session):
     edit, sed, validate = turns[-1].results
     assert "unavailable tool 'edit'" in edit, edit
     assert "rule which prevents you from using this specific tool call" in sed, sed
-    assert json.loads(output_of(validate))[0]["name"] == "warmdown-03"
+    finding = json.loads(output_of(validate))[0]
+    assert finding["name"] == "warmdown-03"
+    assert "already applied: phase Pending" in finding["notes"], finding  # not "phase None"
     assert surface_untouched(lab)
     text = (lab.root / "bench" / "train.py").read_text()
     assert "WARMDOWN_RATIO = 0.1" not in text

@@ -306,7 +306,9 @@ class Validator:
                     rebasedFrom=st.get("rebasedFrom"), duplicateOf=st.get("duplicateOf"))
         record = self.lab.read_record(name)
         if ok and record:
-            f.notes.append(f"already applied: phase {(record.get('status') or {}).get('phase')}")
+            # Applied but not yet checked by the controller: no phase recorded, which is Pending.
+            phase = (record.get("status") or {}).get("phase") or "Pending"
+            f.notes.append(f"already applied: phase {phase}")
         if ok and self.lab.repo.master().val_bpb is None:
             f.notes.append("the master has no measured val_bpb yet; its baseline runs first")
         if ok and spec is not None and st["phase"] != "Duplicate":
