@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -53,12 +54,65 @@ def test_opencode_agents_are_markdown_with_front_matter(rendered, contracts):
     for c in contracts:
         meta, body = front(rendered / ".opencode" / "agents" / f"{c.name}.md")
         assert meta["mode"] == "subagent" and meta["description"] == c.description
-        assert meta["permission"]["edit"] == ("allow" if c.can("edit") else "deny")
-        assert meta["permission"]["bash"] == ("allow" if c.can("shell") else "deny")
+        assert meta["permission"]["webfetch"] == ("allow" if c.can("web") else "deny")
         assert c.prompt() in body
     meta, body = front(rendered / ".opencode" / "agents" / "autolab.md")
     assert meta["mode"] == "primary"
     assert "Never more than 4 experiment-workers at once" in body
+
+
+def opencode_allows(rules: str | dict, subject: str) -> bool:
+    """OpenCode's reading of a permission: the last pattern that matches wins ('*' any text)."""
+    if isinstance(rules, str):
+        return rules == "allow"
+    verdict = "ask"
+    for pattern, action in rules.items():
+        if re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), subject, re.S):
+            verdict = action
+    return verdict == "allow"
+
+
+@pytest.mark.parametrize("role,subject,allowed", [
+    ("experiment-worker", ".autolab/scratch/warmdown-03/bench/train.py", True),
+    ("experiment-worker", "experiments/drafts/warmdown-03.yaml", True),
+    ("experiment-worker", "bench/train.py", False),       # the master's surface
+    ("experiment-worker", "research/results.tsv", False),  # the ledger
+    ("memory-keeper", "research/campaigns/schedule.md", True),
+    ("memory-keeper", "research/live/master.json", False),
+    ("reviewer", "bench/train.py", False),
+    ("planner", "research/notes.md", False),
+])
+def test_opencode_roles_edit_only_what_their_contract_names(rendered, role, subject, allowed):
+    meta, _ = front(rendered / ".opencode" / "agents" / f"{role}.md")
+    assert opencode_allows(meta["permission"]["edit"], subject) is allowed
+
+
+@pytest.mark.parametrize("role,command,allowed", [
+    ("experiment-worker", "autolab worktree warmdown-03", True),
+    ("experiment-worker", "autolab validate experiments/drafts/warmdown-03.yaml -o json", True),
+    ("experiment-worker", "autolab apply -f experiments/drafts/warmdown-03.yaml", True),
+    ("experiment-worker", "autolab run", False),           # the controller is not the worker's
+    ("reviewer", "autolab validate experiments/drafts/x.yaml -o json", True),
+    ("reviewer", "autolab ledger", True),
+    ("reviewer", "sed -i s/0.5/0.1/ bench/train.py", False),
+    ("reviewer", "autolab apply -f experiments/drafts/x.yaml", False),
+    ("planner", "git show autolab/master:bench/train.py", True),
+    ("planner", "rm -rf research", False),
+    ("autolab", "autolab report", True),
+    ("autolab", "python bench/train.py", False),
+])
+def test_opencode_roles_run_only_the_commands_their_contract_lists(rendered, role, command,
+                                                                  allowed):
+    meta, _ = front(rendered / ".opencode" / "agents" / f"{role}.md")
+    assert opencode_allows(meta["permission"]["bash"], command) is allowed
+
+
+def test_opencode_primary_delegates_only_to_the_roles_and_edits_nothing(rendered, contracts):
+    meta, _ = front(rendered / ".opencode" / "agents" / "autolab.md")
+    task = meta["permission"]["task"]
+    assert all(opencode_allows(task, c.name) for c in contracts)
+    assert not opencode_allows(task, "general") and not opencode_allows(task, "explore")
+    assert meta["permission"]["edit"] == "deny"
 
 
 def test_claude_subagents_name_their_tools_and_import_the_rulebook(rendered, contracts):
@@ -81,6 +135,10 @@ def test_codex_agents_are_toml_with_the_required_keys(rendered, contracts):
         assert doc["sandbox_mode"] == ("workspace-write" if c.can("edit") else "read-only")
     config = tomllib.loads((rendered / ".codex" / "config.toml").read_text())
     assert config["agents"]["max_threads"] == 4
+    # workspace-write keeps .git read-only, where `autolab worktree` and `validate` write
+    # (relative to .codex/); commands keep the PATH that finds `autolab`.
+    assert config["sandbox_workspace_write"]["writable_roots"] == ["../.git"]
+    assert config["allow_login_shell"] is False
 
 
 def test_pi_agents_settings_and_prompt_template(rendered, contracts):

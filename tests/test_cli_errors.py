@@ -78,6 +78,18 @@ def test_a_broken_lab_repo_is_one_line_naming_git(lab, env, damage):
     assert "git" in line and "fsck" in line
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+def test_a_read_only_git_as_in_an_agent_sandbox_says_so(lab, env):
+    """Codex's workspace-write sandbox keeps .git read-only: say that, not "damaged"."""
+    p = subprocess.run(
+        ["bwrap", "--bind", "/", "/", "--ro-bind", str(lab / ".git"), str(lab / ".git"),
+         "--dev", "/dev", "--proc", "/proc", *COMMAND, "worktree", "scratch", "--lab", str(lab)],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    line = one_error_line(p)
+    assert "Read-only file system" in line and "read-only where this ran" in line, p.stderr
+    assert "autolab agents render --for codex" in line and "damaged" not in line
+
+
 # -- ledger ------------------------------------------------------------------------------------
 
 def test_a_ledger_with_a_foreign_header_is_one_line(lab, env):

@@ -166,6 +166,14 @@ NOT_RUN = {
     "docker build -t REGISTRY/autolab-bench:0.1.0 bench/": "needs a Docker daemon and a registry "
                                                            "(REGISTRY is the reader's)",
     "autolab dashboard": "serves Trackio's dashboard until Ctrl-C; --sync-space needs the Hub",
+    "autolab kickoff | opencode run --agent autolab": "needs a model: "
+        "tests/test_agent_sessions.py runs this session (the prompt on stdin) on a scripted one",
+    'codex exec --trust "$(autolab kickoff --for codex)"': "needs a model: "
+        "tests/test_agent_sessions.py runs `codex exec` with the kickoff prompt on a scripted one "
+        "(the lab trusted in its CODEX_HOME's config instead of --trust)",
+    '{"provider": {"mine": {"npm": "@ai-sdk/openai-compatible",': "the reader's model server; "
+        "tests/test_agent_sessions.py gives OpenCode the same kind of provider for its scripted "
+        "model",
     "Pending -> Invalid | Duplicate | Conflict                    (no GPU spent)":
         "the diagram of an experiment's phases, not a command",
     "controller/cli/        `autolab`: one explicit parser (main.py) and its commands":

@@ -26,7 +26,12 @@ reporter) each have one contract in `agents/<role>.md`: YAML front matter
 (purpose, capabilities, what to read, what it may change, the fields it must
 return) and a body of instructions. `autolab agents render --for RUNTIME`
 writes each runtime's native files from it (OpenCode, Claude Code, Codex, Pi,
-Hermes), so the copies never drift: edit the contract, render again.
+Hermes), so the copies never drift: edit the contract, render again. A role
+gets what its contract grants in the runtime's own terms: OpenCode permissions
+allow the files it may change and the commands it lists and refuse the rest;
+Codex's project config opens the lab's .git to its workspace-write sandbox,
+where the authoring commands make git worktrees. tests/test_agent_sessions.py
+runs the real runtimes over these files.
 `autolab kickoff` prints the parent session's prompt, with the number of
 concurrent experiment-workers capped by the lab's GPU slots.
 """
@@ -301,7 +306,9 @@ class Validator:
                     rebasedFrom=st.get("rebasedFrom"), duplicateOf=st.get("duplicateOf"))
         record = self.lab.read_record(name)
         if ok and record:
-            f.notes.append(f"already applied: phase {(record.get('status') or {}).get('phase')}")
+            # Applied but not yet checked by the controller: no phase recorded, which is Pending.
+            phase = (record.get("status") or {}).get("phase") or "Pending"
+            f.notes.append(f"already applied: phase {phase}")
         if ok and self.lab.repo.master().val_bpb is None:
             f.notes.append("the master has no measured val_bpb yet; its baseline runs first")
         if ok and spec is not None and st["phase"] != "Duplicate":
@@ -448,17 +455,61 @@ def hermes_toolsets(c: Contract) -> list[str]:
     return out
 
 
+def _command_patterns(commands: tuple[str, ...] | list[str]) -> list[str]:
+    """Shell permission patterns for a role's commands: each program and its subcommand.
+
+    `autolab validate experiments/drafts/<name>.yaml -o json` allows `autolab validate`
+    with any arguments; a command the contract does not list stays refused.
+    """
+    out: list[str] = []
+    for command in commands:
+        head = " ".join(command.split()[:2])
+        for p in (head, head + " *"):
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def _path_patterns(may_change: tuple[str, ...]) -> list[str]:
+    """File patterns for what a role may change: `<name>` placeholders match any name."""
+    out = []
+    for entry in may_change:
+        path = re.sub(r"<[^>]*>", "*", entry.split()[0])
+        out.append(path + "*" if path.endswith("/") else path)
+    return out
+
+
+def opencode_permission(c: Contract) -> dict:
+    """What OpenCode lets a role do, from its contract; everything else is refused.
+
+    OpenCode matches `edit` patterns against the file's path in the project and `bash`
+    patterns against the command, last matching rule wins. A role edits only the files
+    its contract names and runs only the commands it lists, so a reviewer cannot edit
+    the surface through the edit tool nor through `sed -i` in the shell.
+    """
+    edit: str | dict = "deny"
+    if c.can("edit") and c.may_change:
+        edit = {"*": "deny", **{p: "allow" for p in _path_patterns(c.may_change)}}
+    bash: str | dict = "deny"
+    if c.can("shell"):
+        bash = {"*": "deny", **{p: "allow" for p in _command_patterns(c.commands)}}
+    return {"edit": edit, "bash": bash, "webfetch": "allow" if c.can("web") else "deny"}
+
+
 def render_opencode(contracts: list[Contract], gpu_slots: int) -> dict[str, str]:
     files = {}
     for c in contracts:
-        permission = {"edit": "allow" if c.can("edit") else "deny",
-                      "bash": "allow" if c.can("shell") else "deny",
-                      "webfetch": "allow" if c.can("web") else "deny"}
-        meta = {"description": c.description, "mode": "subagent", "permission": permission}
+        meta = {"description": c.description, "mode": "subagent",
+                "permission": opencode_permission(c)}
         files[f".opencode/agents/{c.name}.md"] = _front(meta, _marker_md(c) + c.prompt())
+    # The parent coordinates: it delegates to the roles (and to no other subagent), runs
+    # `autolab` itself (report, run), and leaves every edit to the roles that may make it.
     meta = {"description": "Runs the Autolab lab: delegates to the role subagents, never more "
                            "experiment-workers at once than the lab has GPU slots.",
-            "mode": "primary"}
+            "mode": "primary",
+            "permission": {"edit": "deny", "webfetch": "deny",
+                           "bash": {"*": "deny", "autolab": "allow", "autolab *": "allow"},
+                           "task": {"*": "deny", **{c.name: "allow" for c in contracts}}}}
     files[".opencode/agents/autolab.md"] = _front(
         meta, _marker_md(None, "agents/ and AGENTS.md") + kickoff_text("opencode", gpu_slots,
                                                                       contracts))
@@ -487,7 +538,16 @@ def render_codex(contracts: list[Contract], gpu_slots: int) -> dict[str, str]:
         files[f".codex/agents/{c.name}.toml"] = text
     files[".codex/config.toml"] = (
         f"# {GENERATED.format(source='agents/')}\n"
-        "# Codex loads AGENTS.md by itself; this caps how many agent threads run at once.\n"
+        "# Codex loads AGENTS.md by itself, and this file only in a trusted project\n"
+        "# (`codex --trust` once, or trust_level = \"trusted\" for it in ~/.codex/config.toml).\n"
+        "# Commands run in the shell Codex was started from, not a login shell, which would\n"
+        "# reread /etc/profile and lose the PATH that finds `autolab` (a venv, ./dev).\n"
+        "allow_login_shell = false\n\n"
+        "# `autolab worktree`, `new` and `validate` write git worktrees and branches under\n"
+        "# .git, which workspace-write keeps read-only; relative to this .codex/ directory.\n"
+        "[sandbox_workspace_write]\n"
+        "writable_roots = [\"../.git\"]\n\n"
+        "# How many agent threads run at once: the lab's GPU slots.\n"
         "[agents]\n"
         f"max_threads = {max(1, gpu_slots)}\n")
     return files

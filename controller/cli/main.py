@@ -267,6 +267,11 @@ def known_failure(e: BaseException, lab: str | None = None) -> str | None:
     lab = lab or "."
     if isinstance(e, (SpecError, CliError, LabInitError)):  # HfBackendError is a SpecError
         return one_line(e)
+    if isinstance(e, GitError) and "Read-only file system" in str(e):
+        # An agent runtime's sandbox (Codex's workspace-write) keeps .git read-only.
+        return _says(e, f"{lab}/.git is read-only where this ran, as in an agent's sandbox: "
+                        "`autolab agents render --for codex` lets Codex sessions write it; "
+                        "elsewhere run autolab outside the sandbox", always=True)
     if isinstance(e, GitError):
         return _says(e, f"the lab's git repository is damaged or busy: check it with "
                         f"`git -C {lab} status` and `git -C {lab} fsck`", always=True)
