@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.core import figures
 from controller.core.noise import MARGIN_Z, margin
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import SpecError
@@ -490,7 +491,9 @@ def cmd_describe(a) -> int:
         out.append(field("Run", json.dumps(st["job"])))
     if st.get("metrics"):
         out.append("Metrics:")
-        out += [f"  {k}: {v}" for k, v in st["metrics"].items()]
+        own = figures.of_status(st)
+        out += [f"  {k}: {v}" + (f"  ({figures.EXPLAINED})" if k in own and v is not None else "")
+                for k, v in st["metrics"].items()]
     out.append("Conditions:")
     for c in st.get("conditions", []):
         out.append(f"  {c['type']:<18}{c['status']:<7}{c['reason']:<22}{c['message']}")

@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+from controller.core import figures
 from controller.core.spec import API_VERSION
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,10 +66,17 @@ def number(text: object, nd: int = 6, signed: bool = False) -> str:
     return f"{v:+.{nd}f}" if signed else f"{v:.{nd}f}"
 
 
+def figure(st: dict, key: str, nd: int = 1) -> str:
+    """A run's figure for a table, followed by figures.MARK where it is the candidate's word."""
+    v = (st.get("metrics") or {}).get(key)
+    text = "" if v is None else (f"{v:.{nd}f}" if isinstance(v, (int, float)) else str(v))
+    return figures.marked(text, key in figures.of_status(st))
+
+
 def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
     if wide:
-        head += ["CANDIDATE", "PARENT", "MESSAGE"]
+        head += ["MFU", "VRAM_MB", "CANDIDATE", "PARENT", "MESSAGE"]
     out = []
     for name, st, spec in rows:
         job = st.get("job") or {}
@@ -78,7 +86,8 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
                 ("" if st.get("delta") is None else f"{st['delta']:+.6f}"), str(slot or ""),
                 spec.get("campaign", ""), _age(st.get("createdAt"))]
         if wide:
-            line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
+            line += [figure(st, "mfu_percent", 2), figure(st, "peak_vram_mb"),
+                     (st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
                      (st.get("message") or "").split("\n")[0]]  # whole: wide is for reading
         out.append(line)
     return head, out
