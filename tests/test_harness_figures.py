@@ -250,3 +250,183 @@ def bench_evaluate():
     import evaluate
 
     return evaluate
+
+
+# --- the lab's record: ledger, get -o wide, describe, the report, Trackio ----------------------
+
+
+def test_a_hostile_candidates_claims_reach_no_record_unmarked(tmp_path, monkeypatch, capsys):
+    """The acceptance line: a candidate that trains honestly but reports MFU 99.9 and 1 MB of
+    peak GPU memory, run by the lab end to end (the real harness, the local backend)."""
+    from controller.cli.lab import init_lab
+    from controller.cli.main import main
+    from controller.core import figures
+    from controller.lab import tracking
+    from controller.lab.report import write_report
+    from labkit import spec_from_edit
+    from test_tracking import read_back
+
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("NVML is installed here: the harness would read it, not the stand-in nvidia-smi")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI.format(python=sys.executable))
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("AUTOLAB_EARLY_EVALUATOR", "1")
+    monkeypatch.delenv("AUTOLAB_TRACKING", raising=False)
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3, min_delta=0)
+    lab.repo.set_master_metric(9.9)  # the baseline is not what this test is about
+    lab.apply_file(spec_from_edit(lab, "claims", EXPORT, HOSTILE_STATS + EXPORT,
+                                  "Reporting a better MFU makes it better."), "test")
+    assert main(["run", "--lab", str(lab.root), "--interval", "0.2"]) == 0
+    capsys.readouterr()
+
+    def shows_no_claim(text: str) -> None:
+        assert "99.9" not in text and "1e+06" not in text, text
+
+    # The ledger: the harness's figures (no GPU peak on a CPU: no MFU), no candidate's figure.
+    row = next(r for r in lab.ledger.rows() if r["experiment_id"] == "claims")
+    assert row["status"] == "succeeded", row
+    assert (row["mfu_percent"], row["peak_vram_mb"], row[figures.COLUMN]) == ("", "777.0", "")
+    shows_no_claim("\t".join(row.values()))
+    # get -o wide: the same, in its MFU and VRAM_MB columns.
+    assert main(["get", "claims", "-o", "wide", "--lab", str(lab.root)]) == 0
+    head, line = capsys.readouterr().out.splitlines()
+    assert head.split()[8:10] == ["MFU", "VRAM_MB"] and "777.0" in line.split()
+    shows_no_claim(line)
+    # describe: every metric, the steps marked as the candidate's word.
+    assert main(["describe", "claims", "--lab", str(lab.root)]) == 0
+    described = capsys.readouterr().out
+    assert "  mfu_percent: not measured" in described and "  peak_vram_mb: 777.0\n" in described
+    assert "  depth: 2\n" in described
+    steps = next(x for x in described.splitlines() if x.startswith("  num_steps: "))
+    assert steps.endswith(f"({figures.EXPLAINED})")
+    shows_no_claim(described.split("\nDiff:")[0])  # the diff itself holds the claim, as code
+    # The report's recent runs.
+    md, _ = write_report(lab, png=False)
+    recent = next(x for x in md.split("## Recent runs")[1].splitlines() if "`claims`" in x)
+    assert "777.0" in recent and figures.MARK not in recent
+    shows_no_claim(md)
+    # Trackio: the harness's figures under their names, the candidate's steps apart.
+    run = next(r for name, r in read_back(lab).items() if name.startswith("claims"))
+    assert run["config"]["self_reported"] == ["num_steps"] and "num_steps" not in run["config"]
+    assert run["config"]["depth"] == 2 and run["logs"][-1]["peak_vram_mb"] == 777.0
+    assert "mfu_percent" not in run["logs"][-1]
+    shows_no_claim(json.dumps(run))
+    assert tracking.settle()
+
+
+# --- whose word: statuses, ledger rows, older records --------------------------------------------
+
+
+def harness_result(self_reported=None, **figures_) -> dict:
+    result = {"status": "succeeded", "metrics": {"val_bpb": 1.25, "training_seconds": 3.0,
+                                                 "total_seconds": 9.0, **figures_}}
+    if self_reported is not None:
+        result["self_reported"] = self_reported
+    return result
+
+
+@pytest.mark.parametrize("result, status_list, column", [
+    # Today's harness on a GPU machine whose driver showed the candidate: its own figures.
+    (harness_result(["num_steps"], peak_vram_mb=777.0, mfu_percent=41.2, num_steps=9),
+     ["num_steps"], ""),
+    # A driver that hid the candidate's processes: its memory figure, as its word.
+    (harness_result(["peak_vram_mb", "num_steps"], peak_vram_mb=1.0, mfu_percent=41.2, num_steps=9),
+     ["peak_vram_mb", "num_steps"], "peak_vram_mb"),
+    # A harness from before the list (a lab's pinned older harness): MFU and memory were its word.
+    (harness_result(None, peak_vram_mb=1.0, mfu_percent=99.9, num_steps=9, depth=99),
+     ["peak_vram_mb", "mfu_percent", "num_steps", "depth"], "peak_vram_mb mfu_percent"),
+], ids=["measured", "driver-hid-it", "older-harness"])
+def test_the_status_and_the_ledger_row_say_which_figures_are_the_candidates(result, status_list,
+                                                                            column):
+    from controller.core import figures
+    from controller.core.reconcile import Master, RunObservation, World, reconcile, master_run_row
+    from controller.core.spec import ExperimentSpec, LabSpec
+
+    master = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=1.0)
+    job = {"backend": "local", "name": "exp-e-1", "slot": "0"}
+    d = reconcile(World(name="e", spec=ExperimentSpec(hypothesis="h", parent="aaaa", diff="-"),
+                        lab=LabSpec(profile="tiny", min_delta=0.0), master=master,
+                        now="2026-11-29T10:00:00Z", status={"phase": "Running", "conditions": [],
+                                                            "job": job},
+                        run=RunObservation("exp-e-1", "succeeded", result=result)))
+    assert d.status[figures.STATUS_FIELD] == status_list
+    row = next(i.args["row"] for i in d.intents if i.kind == "record")
+    assert row[figures.COLUMN] == column
+    baseline, _ = master_run_row(master, RunObservation("baseline-x-1", "succeeded", result=result))
+    assert baseline[figures.COLUMN] == column
+
+
+def test_a_figure_the_harness_could_not_measure_is_an_empty_cell_not_none():
+    from controller.core.reconcile import Master, RunObservation, master_run_row
+
+    master = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40)
+    row, _ = master_run_row(master, RunObservation("baseline-x-1", "succeeded", result=harness_result(
+        ["num_steps"], peak_vram_mb=None, mfu_percent=None, num_steps=9)))
+    assert (row["mfu_percent"], row["peak_vram_mb"]) == ("", "")
+
+
+def test_get_wide_marks_the_candidates_figures_and_older_statuses_by_the_older_harness():
+    from controller.cli.output import table_rows
+    from controller.core import figures
+
+    figures_ = {"val_bpb": 1.0, "mfu_percent": 41.25, "peak_vram_mb": 777.0}
+    rows = [("measured", {"metrics": figures_, "selfReported": ["num_steps"]}, {}),
+            ("hid-it", {"metrics": {**figures_, "peak_vram_mb": 1.0}, "selfReported": ["peak_vram_mb"]}, {}),
+            ("older", {"metrics": {**figures_, "mfu_percent": 99.9, "peak_vram_mb": 1.0}}, {}),
+            ("cpu", {"metrics": {**figures_, "mfu_percent": None, "peak_vram_mb": None},
+                     "selfReported": ["num_steps"]}, {})]
+    head, lines = table_rows(rows, wide=True)
+    at = head.index("MFU")
+    cells = {line[0]: line[at:at + 2] for line in lines}
+    mark = figures.MARK
+    assert cells == {"measured": ["41.25", "777.0"], "hid-it": ["41.25", f"1.0 {mark}"],
+                     "older": [f"99.90 {mark}", f"1.0 {mark}"], "cpu": ["", ""]}
+
+
+def test_an_older_ledger_still_reads_unchanged_and_the_report_marks_its_figures(tmp_path):
+    from controller.cli.lab import init_lab
+    from controller.core import figures
+    from controller.lab.ledger import COLUMNS
+    from controller.lab.report import build_report
+
+    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
+    old_columns = COLUMNS[:COLUMNS.index(figures.COLUMN)]
+    old = {"run_id": "exp-old-1", "created_at": "2026-11-01T10:00:00Z", "status": "succeeded",
+           "experiment_id": "old", "val_bpb": "0.98", "peak_vram_mb": "1.0", "mfu_percent": "99.9",
+           "promoted": "0", "backend": "local"}
+    text = "\t".join(old_columns) + "\n" + "\t".join(old.get(c, "") for c in old_columns) + "\n"
+    lab.ledger.path.write_text(text)
+    new = {**old, "run_id": "exp-new-1", "experiment_id": "new", "peak_vram_mb": "777.0",
+           "mfu_percent": "41.2", figures.COLUMN: ""}
+    hid = {**old, "run_id": "exp-hid-1", "experiment_id": "hid", "mfu_percent": "41.2",
+           figures.COLUMN: "peak_vram_mb"}
+    assert lab.ledger.append(new) and lab.ledger.append(hid)
+    assert lab.ledger.path.read_text().startswith(text), "what was recorded stays as it was"
+    rows = {r["experiment_id"]: r for r in lab.ledger.rows()}
+    assert figures.COLUMN not in rows["old"] and rows["old"]["mfu_percent"] == "99.9"
+    md = build_report(lab)
+    recent = {line.split("`")[1]: line for line in md.split("## Recent runs")[1].splitlines()
+              if line.count("`") >= 2}
+    mark = figures.MARK
+    assert f"| 99.9 {mark} | 1.0 {mark} |" in recent["old"]
+    assert "| 41.2 | 777.0 |" in recent["new"]
+    assert f"| 41.2 | 1.0 {mark} |" in recent["hid"]
+    assert f"{mark}: {figures.EXPLAINED}" in md
+
+
+def test_a_seed_labs_rows_are_imported_as_its_train_pys_word(tmp_path):
+    from controller.core import figures
+    from controller.lab.ledger import SEED_COLUMNS
+    from controller.lab.seed import SeedImport, read_ledger
+
+    values = {"run_id": "run-1", "status": "succeeded", "val_bpb": "1.234", "training_seconds": "300.1",
+              "total_seconds": "340.2", "peak_vram_mb": "40000", "mfu_percent": "38.5"}
+    path = tmp_path / "results.tsv"
+    path.write_text("\t".join(SEED_COLUMNS) + "\n" + "\t".join(values.get(c, "") for c in SEED_COLUMNS)
+                    + "\n")
+    found = SeedImport(source=str(tmp_path))
+    read_ledger(path, found)
+    assert found.rows[0][figures.COLUMN] == "val_bpb training_seconds total_seconds peak_vram_mb mfu_percent"

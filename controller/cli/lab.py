@@ -492,7 +492,8 @@ def cmd_describe(a) -> int:
     if st.get("metrics"):
         out.append("Metrics:")
         own = figures.of_status(st)
-        out += [f"  {k}: {v}" + (f"  ({figures.EXPLAINED})" if k in own and v is not None else "")
+        out += [f"  {k}: " + ("not measured" if v is None else
+                              f"{v}  ({figures.EXPLAINED})" if k in own else str(v))
                 for k, v in st["metrics"].items()]
     out.append("Conditions:")
     for c in st.get("conditions", []):
