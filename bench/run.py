@@ -617,7 +617,7 @@ def _number(value: Any) -> float | None:
 #
 # - MFU = tokens served x FLOPs per token / training seconds / the GPU's bf16 peak. The tokens
 #   are the ones the data server streamed (the loader's read-ahead of a few batches included:
-#   0.2 % of a default run), the seconds its own clock, the FLOPs per token the evaluator's count
+#   +0.3 % over the default 300 s), the seconds its own clock, the FLOPs per token the evaluator's count
 #   on the exported graph (evaluate.model_figures: train.py's formula), the peak the table below
 #   looked up by the name CUDA gives the evaluator's GPU. On a CPU, or a GPU not in the table,
 #   there is no peak and no MFU: empty, never the candidate's figure.
