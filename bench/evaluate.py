@@ -65,11 +65,22 @@ the candidate made that it reads, and it treats it as hostile:
    survives with probability (1 - 1/T)^rows, zero once rows >= T (the
    default profile scores 5120 rows of 2048).
 
+4. What the model costs, read off the checked graph (`model_figures`), for
+   the harness's own MFU: the benchmark's FLOPs per token, as train.py counts
+   them (6 per parameter a token's matmuls use, forward and backward; token
+   and value embeddings are lookups and cost none; plus 12 x seq_len x width
+   per attention layer, PaLM's convention), and the depth, one layer per
+   scaled_dot_product_attention call. Parameters the graph never reads are
+   not counted, so a candidate cannot raise its MFU by exporting weights it
+   does not use. Informational: nothing here fails an evaluation.
+
 It writes one JSON object to --out: {"ok": true, "val_bpb", "num_params",
-"eval_seconds", "device", "reason_code": "Succeeded", "causality_max_nats", "stage_seconds"} or {"ok": false,
+"flops_per_token", "depth", "device_name", "eval_seconds", "device", "reason_code": "Succeeded",
+"causality_max_nats", "stage_seconds"} or {"ok": false,
 "blame": "candidate"|"harness", "reason", "reason_code"}. "harness" means the
 fault is not the candidate's (e.g. no GPU for a program exported on one):
-the run is an infrastructure error.
+the run is an infrastructure error. `device_name` is the GPU's name as CUDA
+gives it (None on a CPU): run.py looks up its peak FLOP/s by it.
 """
 
 from __future__ import annotations
@@ -700,7 +711,85 @@ def _moved_before_cut(a, b, cuts):
 
 
 # ---------------------------------------------------------------------------
-# 4. Putting it together
+# 4. What the model costs: FLOPs per token and depth, for the harness's MFU
+
+MATMUL_FLOPS_PER_PARAM = 6  # per token: 2 forward, 4 backward (train.py's FLOPS_PER_TOKEN)
+# Operators that hand a parameter on unchanged but for its view or dtype: a weight read through
+# one of these is used where the result is used (a bf16 cast before a matmul, a transpose).
+PASS_THROUGH_OPS = frozenset({"to", "_to_copy", "view", "_unsafe_view", "reshape", "t", "transpose",
+                              "permute", "detach", "alias", "clone", "contiguous", "unsqueeze",
+                              "squeeze", "expand"})
+
+
+def model_figures(program) -> dict[str, Any]:
+    """{"flops_per_token", "depth", "matmul_params"} of a checked program, counted as train.py
+    counts FLOPS_PER_TOKEN: MATMUL_FLOPS_PER_PARAM per parameter that some operator other than
+    an embedding lookup reads (a parameter the graph never reads is not counted), plus, per
+    scaled_dot_product_attention call with query (.., Hq, T, Dqk), key (.., S, Dqk) and value
+    (.., S, Dv), 6 x S x Hq x (Dqk + Dv): train.py's 12 x seq_len x width when Dqk = Dv. Depth
+    is the number of attention calls (None if there are none: then the graph cannot say).
+
+    Parameters are followed into the autocast and grad-mode regions (a region's placeholders
+    are its operands, in order)."""
+    import torch
+
+    state = program.state_dict
+    uses: dict[str, set[str]] = {}
+    attention: list[int] = []
+
+    def walk(gm, bound: dict) -> None:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            if isinstance(target, torch._ops.HigherOrderOperator):
+                regions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)
+                           and a.op == "get_attr" and isinstance(_attr(gm, a.target), torch.fx.GraphModule)]
+                if regions:
+                    sub = _attr(gm, node.args[regions[0]].target)
+                    holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                    walk(sub, {h: bound.get(a) for h, a in zip(holders, node.args[regions[0] + 1:])
+                               if isinstance(a, torch.fx.Node)})
+                continue
+            if not isinstance(target, torch._ops.OpOverload):
+                continue
+            name = target._schema.name.split("::")[-1]
+            inputs = node.all_input_nodes
+            if name in PASS_THROUGH_OPS and len(inputs) == 1 and bound.get(inputs[0]):
+                bound[node] = bound[inputs[0]]
+                continue
+            for a in inputs:
+                if bound.get(a):
+                    lookup = name == "embedding" and node.args and node.args[0] is a
+                    uses.setdefault(bound[a], set()).add("lookup" if lookup else "compute")
+            if "scaled_dot_product" in name:
+                q, k, v = (node.args[i].meta["val"].shape for i in range(3))
+                attention.append(6 * int(k[-2]) * int(q[-3]) * (int(q[-1]) + int(v[-1])))
+
+    params = program.graph_signature.inputs_to_parameters
+    walk(program.graph_module, {n: params.get(n.name) for n in program.graph.nodes if n.op == "placeholder"})
+    matmul = sum(state[p].numel() for p, kinds in uses.items() if "compute" in kinds and p in state)
+    return {"flops_per_token": MATMUL_FLOPS_PER_PARAM * matmul + sum(attention),
+            "depth": len(attention) or None, "matmul_params": matmul}
+
+
+def _figures_or_none(program) -> dict[str, Any]:
+    """model_figures, or Nones where the graph defeats it: these figures never fail a run."""
+    try:
+        return model_figures(program)
+    except Exception as e:
+        print(f"could not count the model's FLOPs ({type(e).__name__}: {e}); MFU is not measured", flush=True)
+        return {"flops_per_token": None, "depth": None, "matmul_params": None}
+
+
+def _device_name(device) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------------------
+# 5. Putting it together
 
 
 class Stages:
@@ -817,6 +906,8 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
         stages.done("load")
         check_program(program, prepare.EVAL_BATCH_SIZE, prepare.MAX_SEQ_LEN)
         stages.done("check_program")
+        figures = _figures_or_none(program)
+        stages.done("figures")
         model = program.module()
         check_state(model)
         stages.done("module")
@@ -863,8 +954,11 @@ def evaluate(export_dir: Path, data_dir: Path, val_sha256: str, token_bytes_sha2
         "ok": True,
         "val_bpb": val_bpb,
         "num_params": sum(p.numel() for p in model.parameters()),
+        "flops_per_token": figures["flops_per_token"],
+        "depth": figures["depth"],
         "eval_seconds": round(time.time() - t0, 2),
         "device": str(device),
+        "device_name": _device_name(device),
         "reason_code": SUCCEEDED,
         "causality_max_nats": probe.max_moved,
         "stage_seconds": stages.seconds,

@@ -633,9 +633,11 @@ def test_hostile_numbers_and_nesting_in_candidate_files_raise_nothing(bench):
     raw = "\n".join([line, '{"step": 1%s, "loss": 1, "tokens_per_sec": 1}' % ("0" * 400),
                      "[" * 30000, '{"step": 1, "loss": 1, "tokens_per_sec": 1, "time": 1%s}' % ("0" * 400)])
     assert run._curve(raw.encode()) == [json.loads(line), {"step": 1, "loss": 1, "tokens_per_sec": 1}]
-    metrics = run._metrics({"peak_vram_mb": huge, "num_steps": huge, "mfu_percent": [huge]},
-                           {"val_bpb": 1.0, "num_params": 10}, training=1.0, total=2.0, tokens=3)
-    assert metrics["peak_vram_mb"] is None and metrics["num_steps"] is None
+    stats = {"peak_vram_mb": huge, "num_steps": huge, "mfu_percent": [huge]}
+    metrics, own = run._metrics(stats, {"val_bpb": 1.0, "num_params": 10}, training=1.0, total=2.0,
+                                tokens=3, gpu=None, had_gpu=True)
+    assert metrics["peak_vram_mb"] is None and metrics["num_steps"] is None and own == []
+    assert run._reported(stats) == {}
 
 
 @pytest.mark.parametrize("attack", ["curve-bigint", "stats-nested", "stats-bigint", "cuda-device"])

@@ -68,8 +68,10 @@ def charts(runs: dict) -> dict[str, dict[str, list]]:
 
 def finished(lab: LocalLab, name: str, val: float | None, curve: list | None,
              phase: str = "Succeeded", outcome: str = "Rejected", job: bool = True,
-             figures: dict | None = None) -> dict:
-    """What the controller leaves behind for a finished run: the harness result and the row."""
+             figures: dict | None = None, self_reported: list | None = None) -> dict:
+    """What the controller leaves behind for a finished run: the harness result and the row.
+    self_reported: the result's list (default: the steps, as the harness lists them; None in
+    the list's place writes a result from before the list)."""
     run = f"exp-{name}-1"
     st = {"phase": phase, "reason": outcome or phase, "message": "done",
           "candidateHash": name[0] * 40, "parentHash": "a" * 40}
@@ -79,9 +81,12 @@ def finished(lab: LocalLab, name: str, val: float | None, curve: list | None,
         st["job"] = {"backend": "local", "name": run}
         d = lab.root / ".autolab" / "runs" / run
         d.mkdir(parents=True)
-        result = {"version": 1, "status": "succeeded" if val is not None else "failed",
+        result = {"version": 2, "status": "succeeded" if val is not None else "failed",
                   "metrics": {"val_bpb": val, **(CPU if figures is None else figures)}
-                  if val is not None else None, "curve": None}
+                  if val is not None else None, "curve": None,
+                  "self_reported": ["num_steps"] if self_reported is None else self_reported}
+        if self_reported == [None]:
+            del result["self_reported"]
         if curve:
             (d / "result.curve.jsonl").write_text(
                 "".join(json.dumps(p) + "\n" for p in curve) + '{"step": 3')  # torn last line
@@ -153,9 +158,33 @@ def test_constants_and_cpu_zeros_are_config_not_charts(lab):
     assert set(drawn["mfu_percent"]) == set(drawn["peak_vram_mb"]) == {"gpu-run · rejected"}, \
         "0 on CPU means not measured: no bar"
     cfg = runs["cpu-run · rejected"]["config"]
-    assert (cfg["num_params_M"], cfg["depth"], cfg["num_steps"], cfg["val_bpb"]) == \
+    assert (cfg["num_params_M"], cfg["depth"], cfg["self_reported/num_steps"], cfg["val_bpb"]) == \
         (11.5, 4, 25, 0.98)
     assert cfg["training_seconds"] == 30.0 and cfg["total_tokens_M"] == 0.4
+    assert cfg["self_reported"] == ["num_steps"]
+
+
+def test_the_candidates_own_figures_are_charted_apart_never_as_measurements(lab):
+    hostile = {**CPU, "mfu_percent": 99.9, "peak_vram_mb": 1.0, "depth": 99}
+    # Today's harness measured GPU memory and MFU; the steps are the candidate's word.
+    finished(lab, "measured", 0.97, CURVE, figures={**CPU, "mfu_percent": 38.5, "peak_vram_mb": 12000.0})
+    # A GPU whose driver hid the candidate's processes: its memory figure is its own.
+    finished(lab, "hidden", 0.97, CURVE, figures={**CPU, "mfu_percent": 41.0, "peak_vram_mb": 1.0},
+             self_reported=["peak_vram_mb", "num_steps"])
+    # A harness from before the list took MFU, memory, steps and depth from the candidate.
+    finished(lab, "older", 0.96, CURVE, figures=hostile, self_reported=[None])
+    assert tracking.sync(lab.root, lab.name)
+    runs = read_back(lab)
+    drawn = charts(runs)
+    assert set(drawn["mfu_percent"]) == {"measured · rejected", "hidden · rejected"}
+    assert set(drawn["peak_vram_mb"]) == {"measured · rejected"}
+    assert set(drawn["self_reported/peak_vram_mb"]) == {"hidden · rejected", "older · rejected"}
+    assert set(drawn["self_reported/mfu_percent"]) == {"older · rejected"}
+    last = runs["hidden · rejected"]["logs"][-1]
+    assert last["self_reported/peak_vram_mb"] == 1.0 and "peak_vram_mb" not in last
+    older = runs["older · rejected"]["config"]
+    assert older["self_reported/depth"] == 99 and "depth" not in older
+    assert older["self_reported"] == ["depth", "mfu_percent", "num_steps", "peak_vram_mb"]
 
 
 def test_the_runs_page_tells_promoted_from_rejected_by_name(lab):

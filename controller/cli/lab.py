@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.core import figures
 from controller.core.reconcile import TERMINAL
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
@@ -494,7 +495,10 @@ def cmd_describe(a) -> int:
         out.append(field("Run", json.dumps(st["job"])))
     if st.get("metrics"):
         out.append("Metrics:")
-        out += [f"  {k}: {v}" for k, v in st["metrics"].items()]
+        own = figures.of_status(st)
+        out += [f"  {k}: " + ("not measured" if v is None else
+                              f"{v}  ({figures.EXPLAINED})" if k in own else str(v))
+                for k, v in st["metrics"].items()]
     out += describe_pairs(st)
     out.append("Conditions:")
     for c in st.get("conditions", []):

@@ -21,7 +21,8 @@ _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
 COLUMNS = {
     "NAME": ".metadata.name", "PHASE": ".status.phase", "OUTCOME": ".status.outcome",
     "VAL_BPB": ".status.metrics.val_bpb", "DELTA": ".status.delta", "SLOT": ".status.job.slot",
-    "CAMPAIGN": ".spec.campaign", "AGE": ".status.createdAt", "CANDIDATE": ".status.candidateHash",
+    "CAMPAIGN": ".spec.campaign", "AGE": ".status.createdAt", "MFU": ".status.metrics.mfu_percent",
+    "VRAM_MB": ".status.metrics.peak_vram_mb", "CANDIDATE": ".status.candidateHash",
     "PARENT": ".status.parentHash", "MESSAGE": ".status.message",
 }
 

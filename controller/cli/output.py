@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+from controller.core import figures
 from controller.core.spec import API_VERSION
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,10 +77,17 @@ def gain_interval(step: dict | None) -> str:
     return f"{step['gain']:+.6f} [{low:+.4f}, {high:+.4f}]"
 
 
+def figure(st: dict, key: str, nd: int = 1) -> str:
+    """A run's figure for a table, followed by figures.MARK where it is the candidate's word."""
+    v = (st.get("metrics") or {}).get(key)
+    text = "" if v is None else (f"{v:.{nd}f}" if isinstance(v, (int, float)) else str(v))
+    return figures.marked(text, key in figures.of_status(st))
+
+
 def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
     head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
     if wide:
-        head += ["CANDIDATE", "PARENT", "PAIRS", "GAIN", "MESSAGE"]
+        head += ["MFU", "VRAM_MB", "CANDIDATE", "PARENT", "PAIRS", "GAIN", "MESSAGE"]
     out = []
     for name, st, spec in rows:
         job = st.get("job") or {}
@@ -90,7 +98,8 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
                 spec.get("campaign", ""), _age(st.get("createdAt"))]
         if wide:
             pairs = st.get("pairs") if isinstance(st.get("pairs"), dict) else {}
-            line += [(st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
+            line += [figure(st, "mfu_percent", 2), figure(st, "peak_vram_mb"),
+                     (st.get("candidateHash") or "")[:12], (st.get("parentHash") or "")[:12],
                      str(len(pairs.get("master") or [])) if pairs else "",
                      gain_interval(pairs.get("verdict") or pairs.get("estimate")),
                      (st.get("message") or "").split("\n")[0]]  # whole: wide is for reading

@@ -47,6 +47,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.core import figures
 from controller.core.noise import MAX_ATTEMPTS, Step, decide, mean, one_pair, test_alpha
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -542,6 +543,7 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
                 True)
         return _settle_terminal(s)
     st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
+    st[figures.STATUS_FIELD] = figures.of_result(run.result, st["metrics"])
     evaluated = ((run.result or {}).get("timing") or {}).get("evaluate_seconds")
     if _finite(evaluated):  # a promoted candidate's bounds the next ones' (core.evaluation)
         st["metrics"]["evaluate_seconds"] = evaluated
@@ -749,8 +751,8 @@ def _follow_up(s: _Step, why: str) -> Decision:
         s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val,
                                           "pairs": len(p.get("candidate") or [])})
-    for k in ("job", "metrics", "delta", "masterValBpb", "parentValBpb", "pairs", "tries",
-              "confirm", "verdict"):
+    for k in ("job", "metrics", figures.STATUS_FIELD, "delta", "masterValBpb", "parentValBpb",
+              "pairs", "tries", "confirm", "verdict"):
         st.pop(k, None)
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
@@ -802,7 +804,7 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
         v = metrics.get(key)
         return "" if v is None else str(v)
 
-    return {
+    row = {
         "run_id": st.get("run") or job.get("name") or run_name(name),
         "status": status,
         "job_id": job.get("id", ""),
@@ -827,6 +829,8 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
         "backend": job.get("backend", ""),
         "reason": st.get("verdict") or st.get("reason", ""),
     }
+    row[figures.COLUMN] = _own_columns(figures.of_status(st), row)
+    return row
 
 
 def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
@@ -854,7 +858,16 @@ def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
            "rebased_from": "", "duplicate_of": "", "delta": ""}
     for k in ("training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
         row[k] = "" if metrics.get(k) is None else str(metrics[k])
+    row[figures.COLUMN] = _own_columns(set(figures.of_result(run.result, metrics)), row)
     return row
+
+
+FIGURE_COLUMNS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent")
+
+
+def _own_columns(own: set[str], row: dict) -> str:
+    """The ledger's self_reported cell: the row's filled figure columns that are the candidate's."""
+    return figures.column(k for k in FIGURE_COLUMNS if k in own and row.get(k, "") != "")
 
 
 # --- the baseline of a master that has no metric yet ------------------------------------------
@@ -879,9 +892,11 @@ def master_run_row(master: Master, run: RunObservation) -> tuple[dict, float | N
            "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
            "comment": "" if ok else ((run.result or {}).get("reason") or run.message),
            "reason": "" if ok else ((run.result or {}).get("reason_code") or "BaselineFailed")}
-    for k in ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
-        if k in ((run.result or {}).get("metrics") or {}):  # the ledger's metric columns
-            row[k] = str(run.result["metrics"][k])
+    metrics = (run.result or {}).get("metrics") or {}
+    for k in FIGURE_COLUMNS:  # the ledger's metric columns; None (not measured): empty
+        if k in metrics:
+            row[k] = "" if metrics[k] is None else str(metrics[k])
+    row[figures.COLUMN] = _own_columns(set(figures.of_result(run.result, metrics)), row)
     return row, (val if ok else None)
 
 

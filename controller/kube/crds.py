@@ -52,6 +52,9 @@ EXPERIMENT_STATUS = {
                                                    "better)."},
         "metrics": {"type": "object", "description": "The run's summary metrics.",
                     "x-kubernetes-preserve-unknown-fields": True},
+        "selfReported": {"type": "array", "items": {"type": "string"},
+                         "description": "The metrics that are the candidate's own word (its "
+                                        "stats.json), not measured by the harness."},
         "job": {"type": "object", "description": "The run: backend, name, slot, place, id.",
                 "x-kubernetes-preserve-unknown-fields": True},
         "pairs": {"type": "object", "description": "The decision: the candidate's and the "

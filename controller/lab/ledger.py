@@ -35,7 +35,8 @@ from typing import Iterator
 SEED_COLUMNS = ("run_id created_at status job_id campaign experiment_id worker_id hypothesis "
                 "parent_hash candidate_hash val_bpb training_seconds total_seconds peak_vram_mb "
                 "mfu_percent promoted comment").split()
-EXTRA_COLUMNS = "semantic_hash outcome delta rebased_from duplicate_of backend reason".split()
+# self_reported (last): the row's figures that are the candidate's word (controller.core.figures).
+EXTRA_COLUMNS = "semantic_hash outcome delta rebased_from duplicate_of backend reason self_reported".split()
 COLUMNS = SEED_COLUMNS + EXTRA_COLUMNS
 
 # Rows whose candidate counts as measured: a repeat of one of these is a duplicate.

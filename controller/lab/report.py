@@ -19,7 +19,11 @@ display and no global pyplot state are involved.
 
 Everything comes from the ledger, the statuses and master.json; the report
 writes `research/live/report.md` and the PNG, and fills in any research
-note the controller failed to write (see `controller.lab.memory`).
+note the controller failed to write (see `controller.lab.memory`). The
+recent runs show their MFU and peak GPU memory; a figure that is the
+candidate's own word rather than the harness's measurement (the ledger's
+`self_reported` column, `controller.core.figures`) is marked as such. The
+chart draws val_bpb only, which the harness measures.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from controller.core import figures
 from controller.core.spec import LabSpec
 from controller.lab import clock, profiles
 from controller.lab.ledger import Ledger
@@ -69,6 +74,11 @@ def _num(value) -> float | None:
     except (TypeError, ValueError):
         return None
     return x if x == x and abs(x) != float("inf") else None
+
+
+def _figure(row: dict, key: str) -> str:
+    """A ledger figure, followed by figures.MARK where it is the candidate's word."""
+    return figures.marked(row.get(key) or "", key in figures.of_row(row))
 
 
 def _age(seconds: float) -> str:
@@ -299,11 +309,15 @@ def build_report(lab: LabView, stuck_after: float | None = None,
     out += _table(["experiment", "phase", "slot", "for", "campaign"], flight)
     # recent
     out += ["", "## Recent runs", ""]
-    out += _table(["finished", "experiment", "campaign", "result", "val_bpb", "delta"],
+    out += _table(["finished", "experiment", "campaign", "result", "val_bpb", "delta", "MFU %",
+                   "peak VRAM MB"],
                   [[r.get("created_at", ""), f"`{r.get('experiment_id') or r.get('run_id')}`",
                     r.get("campaign", ""),
                     r.get("outcome") or r.get("status", ""),
-                    r.get("val_bpb", ""), r.get("delta", "")] for r in rows[-RECENT:][::-1]])
+                    _figure(r, "val_bpb"), r.get("delta", ""), _figure(r, "mfu_percent"),
+                    _figure(r, "peak_vram_mb")] for r in rows[-RECENT:][::-1]])
+    if any(figures.of_row(r) & {"val_bpb", "mfu_percent", "peak_vram_mb"} for r in rows[-RECENT:]):
+        out += ["", f"{figures.MARK}: {figures.EXPLAINED} (its stats.json)."]
     # anomalies
     out += ["", "## Anomalies", ""]
     found = anomalies(lab, rows, records, stuck_after, now)

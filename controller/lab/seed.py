@@ -14,7 +14,9 @@ These are the ones read, and what happens when one is missing or malformed:
                                  dropped. A row with more fields than the header is refused
                                  (with its line number); missing trailing fields are empty.
                                  Every row is kept, in order, marked reason `Imported`; a
-                                 run id seen twice keeps its first row.
+                                 run id seen twice keeps its first row. Its figures are
+                                 marked as the candidate's word (column self_reported):
+                                 the seed's train.py measured them, val_bpb included.
     SEED/research/live/master.json
                                  optional. Read only with --keep-metric: its `val_bpb`
                                  (a finite number) becomes the master's metric. Without
@@ -40,6 +42,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controller.core import figures
 from controller.core.hashing import check_candidate_source, parse_python
 from controller.lab.init import LabInitError, bench_source_dir, make_lab
 from controller.lab.ledger import COLUMNS, SEED_COLUMNS, Ledger
@@ -130,6 +133,8 @@ def read_ledger(path: Path, found: SeedImport) -> None:
             continue
         seen.add(row["run_id"])
         row["reason"] = "Imported"
+        if figures.COLUMN not in row:  # the seed's train.py printed every figure itself
+            row[figures.COLUMN] = figures.column(k for k in figures.SEED_IMPORTED if row.get(k))
         found.rows.append(row)
 
 

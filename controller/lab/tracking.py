@@ -15,8 +15,8 @@ anything else as lines on a scale fitted to the data. So:
 
 - the charts are few and in the order a reader asks: val_bpb, delta (against
   the parent), then the step curve the harness wrote (loss, tokens per second,
-  elapsed seconds), then MFU and peak VRAM where a GPU measured them (they are
-  0 on CPU and are then not logged);
+  elapsed seconds), then MFU and peak VRAM where a GPU measured them (a CPU
+  run has none, or 0 from an older harness, and they are not logged);
 - val_bpb is measured once, at the end, but is logged at the curve's first and
   last step: Trackio then draws each run as a level line on a scale fitted to
   the runs, where 0.60 and 0.65 are far apart (as bars from 0 they look alike);
@@ -25,6 +25,11 @@ anything else as lines on a scale fitted to the data. So:
   depth, steps, tokens, seconds) go to its config, with the hypothesis,
   campaign, parent, candidate hash, backend and outcome; the run's page shows
   it, and the sidebar can group runs by any of it (by `outcome`, say);
+- a figure that is the candidate's own word, not the harness's measurement
+  (`controller.core.figures`: the result's `self_reported`, else the ledger's
+  column), is logged under `self_reported/<name>`: a chart (or config entry)
+  of its own, never beside the harness's under the plain name; the config's
+  `self_reported` lists them;
 - the last record also carries the outcome as text, which Trackio keeps but
   does not chart, so a run that measured nothing still exists.
 
@@ -60,6 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controller.core import figures
 from controller.lab.paths import LabPaths
 
 
@@ -342,8 +348,9 @@ def curve_points(lab_root: Path, run_id: str, result: dict) -> list[tuple[int, d
     return points
 
 
-def _summary(row: dict, result: dict) -> dict:
-    """Every summary figure the run has: the harness's result first, the ledger row second."""
+def _summary(row: dict, result: dict) -> tuple[dict, set[str]]:
+    """Every summary figure the run has, the harness's result first, the ledger row second; and
+    those of them that are the candidate's word (by the result's list, else the row's column)."""
     metrics = dict(result.get("metrics") or {})
     out = {}
     for k in SUMMARY_KEYS:
@@ -353,32 +360,38 @@ def _summary(row: dict, result: dict) -> dict:
     delta = _number(row.get("delta"))
     if delta is not None:
         out["delta"] = delta
-    return out
+    own = set(figures.of_result(result, metrics)) if metrics else figures.of_row(row)
+    return out, own & set(out)
 
 
-def config_of(row: dict, summary: dict | None = None) -> dict:
-    """The run's config: what was tried and what became of it, and the figures that describe it."""
+def config_of(row: dict, summary: dict | None = None, own: set[str] = frozenset()) -> dict:
+    """The run's config: what was tried and what became of it, and the figures that describe it
+    (the candidate's own under self_reported/<name>, and listed in `self_reported`)."""
     cfg = {"hypothesis": row.get("hypothesis", ""), "campaign": row.get("campaign", ""),
            "parent": row.get("parent_hash", ""), "candidate_hash": row.get("candidate_hash", ""),
            "backend": row.get("backend") or "local", "run_id": row.get("run_id", ""),
            "status": row.get("status", ""), "outcome": row.get("outcome", ""),
            "promoted": row.get("promoted") == "1", "experiment": row.get("experiment_id", "")}
     summary = summary or {}
-    cfg.update({k: summary[k] for k in FACTS if k in summary})
+    cfg.update({figures.trackio_name(k, k in own): summary[k] for k in FACTS if k in summary})
+    cfg["self_reported"] = sorted(own)
     return cfg
 
 
-def records_of(row: dict, summary: dict, curve: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-    """(step, metrics) to log for a run: the curve, val_bpb at its ends, the charted figures."""
+def records_of(row: dict, summary: dict, curve: list[tuple[int, dict]],
+               own: set[str] = frozenset()) -> list[tuple[int, dict]]:
+    """(step, metrics) to log for a run: the curve, val_bpb at its ends, the charted figures;
+    a figure that is the candidate's word under self_reported/<name>, a chart of its own."""
     first = curve[0][0] if curve else 0
     last = curve[-1][0] if curve else int(summary.get("num_steps") or 0)
     last = max(last, first + 1)  # two distinct steps: a line, never a bar from 0
-    final: dict[str, Any] = {k: summary[k] for k in CHARTED if k in summary
-                             and not (k in GPU_ONLY and summary[k] == 0)}
+    final: dict[str, Any] = {figures.trackio_name(k, k in own): summary[k] for k in CHARTED
+                             if k in summary and not (k in GPU_ONLY and summary[k] == 0)}
     records = list(curve)
     if "val_bpb" in summary:
-        records.insert(0, (first, {"val_bpb": summary["val_bpb"]}))
-        final["val_bpb"] = summary["val_bpb"]
+        val = figures.trackio_name("val_bpb", "val_bpb" in own)
+        records.insert(0, (first, {val: summary["val_bpb"]}))
+        final[val] = summary["val_bpb"]
     # Text is kept but never charted; it makes a run that measured nothing exist all the same.
     final["outcome"] = outcome_of(row)
     records.append((last, final))
@@ -406,11 +419,11 @@ def _child_sync(lab_root: Path, lab_name: str) -> int:
                 continue
             result = _result(lab_root, row["run_id"])
             curve = curve_points(lab_root, row["run_id"], result)
-            summary = _summary(row, result)
+            summary, own = _summary(row, result)
             trackio.init(project=project, name=label, group=row.get("campaign") or None,
-                         config=config_of(row, summary), resume="allow", auto_log_cpu=False,
+                         config=config_of(row, summary, own), resume="allow", auto_log_cpu=False,
                          auto_log_gpu=False, embed=False)
-            for step, m in records_of(row, summary, curve):
+            for step, m in records_of(row, summary, curve, own):
                 trackio.log(m, step=step)
             trackio.finish()
             have.add(label)

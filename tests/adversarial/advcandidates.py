@@ -1385,8 +1385,8 @@ _adv_hit("opened 15000 files")
     # ---- informational figures ------------------------------------------------------------------------
     add(C("info-forged-speed", "informational figures",
           "Exports a stats.json claiming 1e-6 training seconds, 999M tokens, 99.9% MFU, 0.125 MB VRAM, 10M steps.",
-          "training_seconds, total_seconds, total_tokens_M and num_params_M are the harness's; the rest are "
-          "listed in result['self_reported'].",
+          "Every figure but the step count is the harness's (MFU and peak VRAM measured by it, empty on a CPU); "
+          "the steps are listed in result['self_reported'], the claims kept apart in result['reported'].",
           [before_export("stats.update(" + ", ".join(f"{k}={v!r}" for k, v in FORGED_SPEED.items()) + ")\n")],
           checks=("stats",), forged_stats=FORGED_SPEED))
     add(C("info-forged-junk", "informational figures",
@@ -1399,7 +1399,7 @@ _adv_hit("opened 15000 files")
           checks=("stats", "junk")))
     add(C("info-forged-params", "informational figures",
           "Rewrites stats.json after prepare.export_model wrote it: 0.001M parameters, depth 1, 500M tokens.",
-          "num_params_M is counted by the evaluator, tokens and seconds by the harness; depth is self-reported.",
+          "num_params_M and depth are counted by the evaluator on the export, tokens and seconds by the harness.",
           [before_export(f"""
 _adv_export = prepare.export_model
 

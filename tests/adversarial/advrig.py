@@ -689,7 +689,7 @@ class Rig:
     def _check_stats(self, cand: A.Candidate, metrics: dict, rows: list[dict], result: dict) -> list[str]:
         v = []
         forged = cand.forged_stats or {}
-        measured = ("training_seconds", "total_seconds", "total_tokens_M", "num_params_M")
+        measured = ("training_seconds", "total_seconds", "total_tokens_M", "num_params_M", "mfu_percent")
         self_reported = set(result.get("self_reported") or ())
 
         def close(a, b) -> bool:
