@@ -400,6 +400,8 @@ class Watch:
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.namespace: str | None = None
         self.left: list[int] = []  # its processes still alive after it ended (and after killing them)
+        self.fitness: dict | None = None  # the sandbox's own report, before the candidate ran (sandbox.FITNESS_BOOT)
+        self.who = "the sandbox"  # whom the candidate ran as, for a person
 
 
 def _lines(stream, limit: int = LINE_LIMIT_BYTES):
@@ -997,7 +999,10 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
                     "and its first batch waits until the controller hands the GPU over")
     limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
                             fsize=MAX_FILE_BYTES.get(prepare.PROFILE, sandbox.Limits.fsize))
-    python = [sys.executable, "-s", "-P", "train.py"]
+    # The sandbox first checks that it can import what the benchmark needs (and use the GPU), and
+    # says so on this pipe before train.py runs: an unfit sandbox is never the candidate's fault.
+    fit_r, fit_w = sandbox.fitness_pipe()
+    python = sandbox.boot_argv(sys.executable, fit_w, gpu)
     info_r = info_w = None
     if sandboxed:
         info_r, info_w = os.pipe()
@@ -1013,18 +1018,25 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     swept: list[tuple[int, list[int]]] = []
     try:
         w = _run_sandboxed(argv, cwd=scratch, env=env,
-                           pass_fds=(theirs.fileno(),) + ((filter_r,) if filter_r is not None else ()),
+                           pass_fds=(theirs.fileno(), fit_w) + ((filter_r,) if filter_r is not None else ()),
                            server=server, budget=budget, startup=startup, export=export, log=log,
                            limits=limits, confine=confine, info_fd=info_w, info_r=info_r,
                            reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
                            export_dir=scratch / "export")
+    except BaseException:
+        os.close(fit_r)
+        raise
     finally:
         theirs.close()
+        os.close(fit_w)
         if filter_r is not None:
             os.close(filter_r)
     if info_r is not None:
         os.close(info_r)
     ours.close()
+    w.fitness = sandbox.read_fitness(fit_r)
+    w.who = {"uid": f"uid {uid}", "bwrap": f"the sandbox's uid {sandbox.SANDBOX_UID}" if os.geteuid() == 0
+             else "the sandbox"}.get(mode, "the harness's user")
     server.thread.join(timeout=5.0)
     result["exit_code"] = w.rc
     if w.stopped_at_export:
@@ -1043,6 +1055,9 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
 def _judge(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str, str], budget: float,
            result: dict[str, Any]) -> float:
     """The training seconds of a run that went by the rules; raises Outcome for one that did not."""
+    if not (w.fitness or {}).get("fit"):  # the candidate never ran: the machine's fault, retriable
+        raise Outcome("error", "SandboxUnavailable", sandbox.unfit_reason(w.fitness, w.who, _last_words(list(w.tail))),
+                      w.rc)
     if mode == "bwrap" and not w.namespace:
         raise Outcome("error", "SandboxUnavailable", "the sandbox did not report its PID namespace; "
                                                      "cannot check that no candidate process is left", w.rc)
