@@ -7,8 +7,8 @@
                            [--sandbox auto|bwrap|uid|isolated|container|none]
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
-                           [--compile-cache-from SHA1] [--gate FILE] [--handover FILE]
-                           [--handback FILE]
+                           [--compile-cache-from SHA1] [--gate FILE [--gate-owner-fd FD]]
+                           [--handover FILE] [--handback FILE]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -61,7 +61,14 @@ controller may start the GPU's next run beside it with `--gate`: that run
 imports, compiles and warms up, and its first request for data is answered
 only once the gate file is gone (the controller removes it when it submits
 that run, after this one's verdict). The wait is timed as `gpu_wait_seconds`,
-not as start-up. An evaluation that runs out of time after the handover may
+not as start-up. A run waiting at its gate is never left behind: with
+`--gate-owner-fd FD` (the read end of a pipe whose write end only the
+controller holds) it gives up as soon as the controller is gone (the pipe
+reads end of file: a kill -9, a crash, a library user that never closed its
+lab) while its gate is still closed, and in any case after GATE_LIMIT_SECONDS
+at the gate; either is an error (`HarnessError`: nothing was measured, the
+candidate may run again), never the candidate's crash. An evaluation that
+runs out of time after the handover may
 have been slowed by the newcomer, so it is not yet the candidate's failure:
 with `--handback FILE` the harness withdraws the handover (removes that file),
 writes FILE, and waits for the controller to stop the newcomer and remove
@@ -295,6 +302,33 @@ def _sha256(path: Path) -> str:
 # --- the training stream: data in, time measured ---------------------------------------------
 
 
+class Gate:
+    """--gate FILE: the first batch waits while FILE exists; --gate-owner-fd FD: the controller that
+    made the gate, alive while the pipe FD reads nothing (it never writes; end of file = gone)."""
+
+    def __init__(self, path: Path, owner_fd: int | None = None) -> None:
+        self.path = path
+        self.given_up: str | None = None  # why the run stopped waiting (an error, not the candidate's)
+        self.owner_gone = threading.Event()
+        if owner_fd is not None:
+            def watch() -> None:
+                with contextlib.suppress(OSError):
+                    while os.read(owner_fd, 1):
+                        pass
+                self.owner_gone.set()
+            threading.Thread(target=watch, daemon=True, name="gate-owner").start()
+
+    def closed(self) -> bool:
+        return os.path.lexists(self.path)
+
+    def abandoned(self) -> str | None:
+        """Why this run gives up waiting, if it does: its controller is gone while the gate is closed."""
+        if self.given_up is None and self.owner_gone.is_set() and self.closed():
+            self.given_up = ("the controller that started this run ahead of its turn is gone, and nobody will "
+                             "open its gate; nothing was measured (the next `autolab run` starts it again)")
+        return self.given_up
+
+
 class DataServer:
     """Streams the training split to the candidate over a socket and notes the time.
 
@@ -306,7 +340,7 @@ class DataServer:
     is answered only once the gate file is gone: the clock starts then.
     """
 
-    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Path | None = None) -> None:
+    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Gate | None = None) -> None:
         self.tokens, self.conn = tokens, conn
         self.pos = seed % max(1, len(tokens))
         self.gate = gate  # while this file exists the first batch waits (the GPU is not ours yet)
@@ -349,9 +383,12 @@ class DataServer:
                     break
                 if self.first is None:
                     self.asked = time.monotonic()
-                    while self.gate is not None and os.path.lexists(self.gate):
+                    while self.gate is not None and self.gate.closed():
                         if time.monotonic() - self.asked > GATE_LIMIT_SECONDS:
-                            raise OSError("the GPU was not handed over")
+                            self.gate.given_up = (f"the GPU was not handed over within {GATE_LIMIT_SECONDS:g}s "
+                                                  "of waiting at the gate; nothing was measured")
+                        if self.gate.abandoned():
+                            raise OSError(self.gate.given_up)
                         time.sleep(GATE_POLL_SECONDS)
                     self.first = time.monotonic()
                     self.first_wall = time.time()
@@ -487,7 +524,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
             if exported_at is not None and (os.path.lexists(export_dir / "stats.json")
                                             or now - exported_at > EXPORT_SETTLE):
                 w.stopped_at_export = True
-        if w.killed or w.stopped_at_export:
+        if w.killed or w.stopped_at_export or (server.gate is not None and server.gate.abandoned()):
             _kill(proc)
             break
         try:
@@ -937,7 +974,7 @@ DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness 
 
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
            startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path],
-           compile_from: str | None = None, gate: Path | None = None) -> tuple[Watch, DataServer]:
+           compile_from: str | None = None, gate: Gate | None = None) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
     is left (Watch.left: those that could not be killed). compile_from: the sha1 of the lab's
     starting program, whose kept compile cache the scratch starts with (a copy)."""
@@ -994,7 +1031,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     # order's. Repeat runs of one program (seeds 1, 2, ...) start elsewhere in it.
     seed = int(result.get("seed") or 0) * DATA_SEED_STRIDE
     server = DataServer(tokens, ours, seed, gate).start()
-    if gate is not None and os.path.lexists(gate):
+    if gate is not None and gate.closed():
         log.harness("the run before this one on the GPU is being evaluated: the candidate starts up beside it, "
                     "and its first batch waits until the controller hands the GPU over")
     limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
@@ -1055,6 +1092,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
 def _judge(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str, str], budget: float,
            result: dict[str, Any]) -> float:
     """The training seconds of a run that went by the rules; raises Outcome for one that did not."""
+    if server.gate is not None and server.gate.given_up:  # it stopped waiting: nobody's verdict
+        raise Outcome("error", "HarnessError", server.gate.given_up, w.rc)
     if not (w.fitness or {}).get("fit"):  # the candidate never ran: the machine's fault, retriable
         raise Outcome("error", "SandboxUnavailable", sandbox.unfit_reason(w.fitness, w.who, _last_words(list(w.tail))),
                       w.rc)
@@ -1285,7 +1324,7 @@ def _run_dir(mode: str) -> Path:
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
              mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
-             gate: Path | None = None, handover: Path | None = None, handback: Path | None = None,
+             gate: Gate | None = None, handover: Path | None = None, handback: Path | None = None,
              eval_limit_seconds: float | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
@@ -1525,6 +1564,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
                   seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
+                  gate_owner_fd: int | None = None,
                   handover: str | os.PathLike | None = None,
                   handback: str | os.PathLike | None = None,
                   eval_limit_seconds: float | None = None) -> dict[str, Any]:
@@ -1539,7 +1579,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS); gate, handover, handback, eval_limit_seconds: see --gate, --handover, --handback,
+    COMPILE_SEEDS); gate, gate_owner_fd, handover, handback, eval_limit_seconds: see --gate,
+    --gate-owner-fd, --handover, --handback,
     --eval-limit. Never raises for
     a failed candidate: see result["status"].
     """
@@ -1556,7 +1597,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
                  mode=mode, log=log, result=result, compile_from=compile_from,
-                 gate=Path(gate) if gate else None, handover=Path(handover) if handover else None,
+                 gate=Gate(Path(gate), gate_owner_fd) if gate else None, handover=Path(handover) if handover else None,
                  handback=Path(handback) if handback else None, eval_limit_seconds=eval_limit_seconds)
 
     _settle(result, execute)
@@ -1887,6 +1928,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="phase all: the candidate's first batch waits while FILE exists (the controller "
                              "started this run while the one before it on the GPU is evaluated); the wait is "
                              "not start-up time")
+    parser.add_argument("--gate-owner-fd", type=int, default=None, metavar="FD",
+                        help="with --gate: the read end of a pipe the controller holds open; at its end of file "
+                             "(the controller is gone) a run still waiting at its gate gives up (an error)")
     parser.add_argument("--handover", default=None, metavar="FILE",
                         help="phase all: written once the candidate is gone and the evaluator holds its GPU "
                              "memory: from then on the next run may start up on this GPU")
@@ -1927,7 +1971,8 @@ def main(argv: list[str] | None = None) -> int:
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
-        compile_from=args.compile_cache_from, gate=args.gate, handover=args.handover,
+        compile_from=args.compile_cache_from, gate=args.gate, gate_owner_fd=args.gate_owner_fd,
+        handover=args.handover,
         handback=args.handback, eval_limit_seconds=args.eval_limit,
     )
     return EXIT_CODES[result["status"]]

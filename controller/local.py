@@ -498,6 +498,31 @@ class LocalLab:
             if stop is not None:
                 stop()
 
+    def reap_stale(self) -> list[str]:
+        """Stop what a controller that is gone started ahead of its turn (LocalBackend.reap_stale);
+        one line per run, for a person. `autolab run` calls it first."""
+        reaped = []
+        for backend in list(self.engine.backends.values()):
+            reap = getattr(backend, "reap_stale", None)
+            if reap is not None:
+                reaped += reap()
+        return reaped
+
+    def close(self) -> None:
+        """End cleanly, as a library user must (or `with LocalLab(root) as lab:`): the runs started
+        ahead stop; submitted runs go on, and the next loop adopts them."""
+        for backend in list(self.engine.backends.values()):
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+        self.repo.close()  # its long-lived git processes (a later call starts them again)
+
+    def __enter__(self) -> "LocalLab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def runs_in_flight(self) -> list[tuple[str, str | None]]:
         """(run, experiment) of every local run whose process is still going. Runs live in their
         own session, so they outlive the loop that started them; the next loop adopts them."""

@@ -26,6 +26,16 @@ Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
 train.py>`, so that it starts with a copy of the compile cache the first run of
 that program kept (bench/run.py says why only that program's is kept).
 
+A run started up ahead of its turn (`start_next`, `.autolab/runs/.next-<slot>/`)
+waits at its gate for a submit that only a living controller makes, so unlike
+a submitted run it must not outlive its controller. It gets the read end of a
+pipe whose write end only this backend holds (`--gate-owner-fd`): when the
+controller is gone, however it went (kill -9, an OOM kill, a crash, a library
+user that never called `close()`), the pipe reads end of file and the harness
+gives up while its gate is still closed. `launch.json` names the controller
+(`owner`: pid and start time); the next controller reaps what is left
+(`reap_stale`) and says what it reaped.
+
 Slots are GPUs: one run per visible GPU with `CUDA_VISIBLE_DEVICES` set to
 its id, or one CPU slot on a machine without GPUs. `AUTOLAB_GPUS=0,1` names
 the ids by hand (tests use it to stand in for GPUs).
@@ -140,6 +150,42 @@ class LocalBackend:
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
         self._start: tuple[str | None] | None = None  # (sha1 of the starting program,), once known
+        self._owner: tuple[int, int] | None = None  # the pipe runs started ahead watch (read, write)
+
+    def close(self) -> None:
+        """Stop the runs started ahead by this backend and drop the pipe they watch. Submitted runs
+        go on (the next controller adopts them)."""
+        self.stop_next()
+        if self._owner is not None:
+            for fd in self._owner:
+                os.close(fd)
+            self._owner = None
+
+    def reap_stale(self) -> list[str]:
+        """Stop and remove the runs started ahead by a controller that is gone (one per line, for a
+        person: which run, which slot, what was done). Each gives up by itself once its controller is
+        gone; this also clears the directories they leave, and any run a harness without
+        --gate-owner-fd started."""
+        me = {"pid": os.getpid(), "start": _start_ticks(os.getpid())}
+        reaped = []
+        for d in sorted(self.runs.glob(".next-*")) if self.runs.is_dir() else []:
+            launch = _read_json(d / "launch.json")
+            owner = launch.get("owner") if isinstance(launch.get("owner"), dict) else {}
+            if owner == me or (owner.get("pid") and _start_ticks(owner["pid"]) == owner.get("start")):
+                continue  # its controller lives (this one, or another loop on the lab)
+            alive = bool(launch.get("start")) and _start_ticks(launch["pid"]) == launch["start"]
+            if alive:
+                _stop(launch)
+            shutil.rmtree(d, ignore_errors=True)
+            reaped.append(f"{launch.get('run') or d.name} on slot {d.name[len('.next-'):]} (pid {launch.get('pid')}): "
+                          + ("stopped" if alive else "it had given up by itself"))
+        return reaped
+
+    def _owner_fd(self) -> int:
+        """The read end of the pipe runs started ahead watch (see the module docstring)."""
+        if self._owner is None:
+            self._owner = os.pipe()  # neither end inherited unless passed: submitted runs never hold it
+        return self._owner[0]
 
     def run_dir(self, run: str) -> Path:
         return self.runs / run
@@ -286,8 +332,12 @@ class LocalBackend:
         if start:  # the one compile cache runs may start from: the lab's own starting program's
             cmd += ["--compile-cache-from", start]
         knows = (harness / "run.py").read_bytes()  # a lab's pinned harness may predate these
+        fds = [key_r]
         if b"--handover" in knows:
             cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
+        if ahead and b"--gate-owner-fd" in knows:
+            fds.append(self._owner_fd())
+            cmd += ["--gate-owner-fd", str(fds[-1])]
         if b"--handback" in knows:
             cmd += ["--handback", "handback"]
         if req.eval_limit and b"--eval-limit" in knows:
@@ -304,7 +354,7 @@ class LocalBackend:
         with open(d / "log.txt", "ab") as log:
             proc = subprocess.Popen(cmd, cwd=str(d), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    pass_fds=(key_r,))
+                                    pass_fds=tuple(fds))
         os.close(key_r)
         with os.fdopen(key_w, "wb") as f:
             f.write(key)
@@ -312,7 +362,8 @@ class LocalBackend:
             "pid": proc.pid, "start": _start_ticks(proc.pid), "slot": req.slot,
             "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
             "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe,
-            "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run}) + "\n")
+            "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run,
+            "owner": {"pid": os.getpid(), "start": _start_ticks(os.getpid())} if ahead else None}) + "\n")
 
     def _starting_program(self, harness: Path) -> str | None:
         """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches
