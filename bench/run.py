@@ -207,6 +207,10 @@ EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidat
 # Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
 # (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
 MAX_FILE_BYTES = {"tiny": 256 * 2**20, "default": 4 * 2**30}
+# Free space a run needs where its scratch and its evaluator's directory are, checked before the
+# candidate starts: its export, compile cache and their copies. Less is the machine's fault (an
+# error), not a candidate that crashed writing its model.
+MIN_FREE_BYTES = {"tiny": 64 * 2**20, "default": 2 * 2**30}
 # The compile cache of the lab's starting program (its owner's train.py, not an agent's): kept
 # under <data cache>/COMPILE_SEEDS/<profile>/<sha1>/{compile,triton} by the first run of exactly
 # those bytes, and copied into every run's scratch before its candidate starts. Only a run of those
@@ -967,6 +971,11 @@ def _prepared(source: str, num_shards: int | None, endpoint: str | None, log: Ru
                                log=lambda m: log.harness(m))
     except prepare.PrepareError as e:
         raise Outcome("error", "DataUnavailable", f"preparing the data ({source}) failed: {e}") from e
+    except OSError as e:  # the cache itself: unreadable, not a directory, on a full disk
+        raise Outcome("error", "DataUnavailable",
+                      f"the data cache {prepare.cache_root()} cannot be used ({type(e).__name__}: {e}); nothing of "
+                      "the candidate ran. It must be a directory the harness can read and write: fix it, or set "
+                      "AUTOLAB_CACHE to one") from e
 
 
 DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness seeds (a prime)
@@ -1183,7 +1192,7 @@ class Evaluator:
             [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", "-",
              "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
              "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out),
-             "--tell-peak", str(eval_dir / "peak"),
+             "--tell-peak", str(eval_dir / "peak"), "--tell-ready", str(eval_dir / "ready"),
              *(["--candidate-had-no-gpu"] if candidate_had_gpu is False else [])],
             cwd=eval_dir, env=eval_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
@@ -1220,6 +1229,11 @@ class Evaluator:
             timed_out = True
         self.stop()
         return (None if timed_out else self.proc.returncode), timed_out, list(self.tail)
+
+    def ready(self) -> bool:
+        """Whether it got ready (data, torch, device) before it ended: before that it had read
+        nothing of the export, so its death was its environment's, not the model's."""
+        return (self.dir / "ready").exists()
 
     def stop(self) -> None:
         _kill(self.proc)
@@ -1265,6 +1279,23 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         too_slow += " twice: beside the next run's start-up, then again with the GPU to itself"
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
+    if not evaluator.out.exists() and not evaluator.ready():
+        # It died before it read anything of the export: the machine's doing (an OOM kill, a broken
+        # interpreter), never the model's. The candidate is gone now; one more try, then an error.
+        log.harness(f"the evaluator ended before it was ready (exit code {eval_rc}: {_last_words(eval_tail)}); "
+                    "starting it once more")
+        again = eval_dir / "again"
+        again.mkdir()
+        evaluator = Evaluator(again, data, log, candidate_had_gpu)
+        eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds)
+        if eval_timed_out:
+            raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
+        if not evaluator.out.exists() and not evaluator.ready():
+            raise Outcome("error", "HarnessError",
+                          f"the evaluator died before it read the export, twice (exit code {eval_rc}: "
+                          f"{_last_words(eval_tail)}); nothing was measured, and the model is not to blame. "
+                          f"Check that `{sys.executable} -c 'import torch'` works and that the machine has "
+                          "memory to spare (`dmesg` names a process the kernel killed)", exit_code)
     try:
         evaluation = json.loads(evaluator.out.read_text())
     except (OSError, ValueError):
@@ -1316,6 +1347,20 @@ def _succeeded(result: dict[str, Any], stats: dict, evaluation: dict, *, trainin
                          f"model ({evaluation['device']})")
 
 
+def _room_to_run(*dirs: Path) -> None:
+    """Refuse (HarnessError) to start a candidate where a full disk would make it crash."""
+    need = MIN_FREE_BYTES.get(prepare.PROFILE, MIN_FREE_BYTES["default"])
+    for d in dirs:
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise Outcome("error", "HarnessError",
+                          f"only {free / 2**20:.0f} MiB are free on the filesystem of {d}, and a run of the "
+                          f"{prepare.PROFILE} profile needs {need / 2**20:.0f} MiB (the candidate's export, "
+                          "compile cache and their copies); nothing of the candidate ran. Free space there, or "
+                          "point TMPDIR at a filesystem with room")
+
+
 def _run_dir(mode: str) -> Path:
     # uid mode: the candidate must traverse to its scratch directory, so not under a private $TMPDIR.
     return Path(tempfile.mkdtemp(prefix="autolab-run-", dir=UID_SCRATCH_ROOT if mode == "uid" else None))
@@ -1343,6 +1388,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         # machine the evaluator gets ready there (data, torch, GPU) while the candidate starts up.
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
+        _room_to_run(run_dir, eval_dir)
         if _early_evaluator():
             evaluator = Evaluator(eval_dir, data, log, sandbox.wants_gpu())
             log.harness("the evaluator gets ready (data, torch, device) while the candidate starts up")
@@ -1718,6 +1764,7 @@ def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, tra
             raise Outcome("error", "HarnessError", f"{scratch} exists already: the export directory of a "
                                                    "train phase must start empty")
         hidden = [prepare.cache_root()] if os.path.exists(prepare.cache_root()) else []
+        _room_to_run(export_dir)
         w, server = _train(code, run_dir=export_dir, scratch=scratch, tokens=tokens,
                            source=str(staged.get("source")), mode=mode, budget=budget_, startup=startup,
                            export=export, log=log, result=record, hidden=hidden)
