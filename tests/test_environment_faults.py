@@ -244,3 +244,24 @@ def test_through_the_loop_a_machine_fault_records_no_verdict_and_the_same_diff_r
         lab.apply_file(spec_from_edit(lab, "warm-a-again", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4"), "test")
         st = settle("warm-a-again")
         assert st["phase"] == "Succeeded", st
+
+
+def test_autolab_run_tells_a_python_the_sandbox_cannot_use_once_before_any_run(bench, tmp_path, open_dir):
+    """`autolab run` makes the sandbox's check itself before it starts anything: a Python the
+    sandbox's uid cannot read (as root; as another user, one without torch) stops it at once,
+    with the fix, and no run is started."""
+    with init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2) as lab:
+        lab.apply_file(spec_from_edit(lab, "warm-b", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4"), "test")
+    python, _ = a_python(open_dir, "unreadable" if os.geteuid() == 0 else "no-torch")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), AUTOLAB_TRACKING="0")
+    env.pop("AUTOLAB_UNSAFE_NO_SANDBOX", None)
+    done = subprocess.run([str(python), "-m", "controller.cli.main", "run", "--lab", str(lab.root)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    if bench.sandbox.available():  # no sandbox at all here: that is what it says
+        assert "cannot isolate candidates on this machine" in done.stderr, done.stderr
+    else:
+        assert "candidates cannot run in the sandbox here" in done.stderr, done.stderr
+        assert "cannot import what the benchmark needs" in done.stderr and "No module named" in done.stderr
+        assert done.stderr.count("cannot import what the benchmark needs") == 1  # said once
+    assert not (lab.root / ".autolab" / "runs").exists() or not any((lab.root / ".autolab" / "runs").iterdir())

@@ -199,14 +199,21 @@ class LocalBackend:
         return pinned_harness(self.root)
 
     def sandbox_problem(self) -> str | None:
-        """None if this machine can sandbox candidates (the pinned harness asks bubblewrap)."""
+        """None if this machine can sandbox candidates (the pinned harness asks bubblewrap) and the
+        sandbox can import what the benchmark needs; else what is wrong, ending in the fix."""
         try:
             harness = self.harness()
         except HarnessError as e:
             return str(e)
         done = subprocess.run([sys.executable, "-I", str(harness / "sandbox.py")],
                               capture_output=True, text=True)
-        return None if done.returncode == 0 else (done.stdout.strip() or done.stderr.strip())
+        if done.returncode == 0:
+            return None
+        why = done.stdout.strip() or done.stderr.strip()
+        if done.returncode == 2:  # a sandbox, unfit to run the benchmark: no runs until it is fixed
+            return f"candidates cannot run in the sandbox here: {why}"
+        return (f"cannot isolate candidates on this machine: {why}. Install bubblewrap, or pass "
+                "--unsafe-no-sandbox for candidates you trust")
 
     def restore_bench(self) -> list[str]:
         """Put the lab's harness files (bench/prepare.py, ...) back as git has them; the ones that

@@ -330,8 +330,7 @@ def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
         return
     problem = lab.backends["local"].sandbox_problem()
     if problem:
-        raise CliError(f"cannot isolate candidates on this machine: {problem}. Install "
-                       "bubblewrap, or pass --unsafe-no-sandbox for candidates you trust")
+        raise CliError(problem)
 
 
 def cmd_noise(a) -> int:
