@@ -461,7 +461,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
                    confine: sandbox.Confinement | None = None, reap: Any = None,
-                   export_dir: Path | None = None) -> Watch:
+                   export_dir: Path | None = None, fitness: sandbox.Fitness | None = None) -> Watch:
     """Start argv, stream its output, enforce the deadlines; returns when it has exited.
 
     confine, if given, loads the syscall filter in the child before it execs argv (a child that
@@ -473,6 +473,10 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     The first export after `done` is the one measured: once model.pt2 appears in export_dir (and
     stats.json, or EXPORT_SETTLE seconds later) the candidate is stopped, so it cannot train on
     read-ahead batches and export again, nor rewrite the file it exported.
+
+    fitness, if given, is the sandbox's own report (sandbox.FITNESS_BOOT): the start-up allowance
+    counts from its arrival, when the candidate's code starts; the boot itself has
+    sandbox.FITNESS_LIMIT_SECONDS to report.
     """
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
@@ -515,7 +519,11 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     exported_at = None
     while proc.poll() is None:
         now = time.monotonic()
-        if server.asked is None and now - w.started > startup:
+        booting = fitness is not None and fitness.at is None
+        if booting and now - w.started > sandbox.FITNESS_LIMIT_SECONDS:
+            _kill(proc)  # no report: the sandbox's fault (see _judge), never a verdict on the candidate
+            break
+        if server.asked is None and not booting and now - (fitness.at if fitness else w.started) > startup:
             w.killed = (f"it asked for no training data within the start-up allowance of {startup:g}s "
                         "(compile and warm up take place before the first batch)")
         elif server.first is not None and server.done is None and now - server.first > train_limit:
@@ -1048,6 +1056,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     # The sandbox first checks that it can import what the benchmark needs (and use the GPU), and
     # says so on this pipe before train.py runs: an unfit sandbox is never the candidate's fault.
     fit_r, fit_w = sandbox.fitness_pipe()
+    fitness = sandbox.Fitness(fit_r)
     python = sandbox.boot_argv(sys.executable, fit_w, gpu)
     info_r = info_w = None
     if sandboxed:
@@ -1068,10 +1077,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
                            server=server, budget=budget, startup=startup, export=export, log=log,
                            limits=limits, confine=confine, info_fd=info_w, info_r=info_r,
                            reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
-                           export_dir=scratch / "export")
-    except BaseException:
-        os.close(fit_r)
-        raise
+                           export_dir=scratch / "export", fitness=fitness)
     finally:
         theirs.close()
         os.close(fit_w)
@@ -1080,7 +1086,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     if info_r is not None:
         os.close(info_r)
     ours.close()
-    w.fitness = sandbox.read_fitness(fit_r)
+    w.fitness = fitness.result()
     w.who = {"uid": f"uid {uid}", "bwrap": f"the sandbox's uid {sandbox.SANDBOX_UID}" if os.geteuid() == 0
              else "the sandbox"}.get(mode, "the harness's user")
     server.thread.join(timeout=5.0)

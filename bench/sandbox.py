@@ -229,6 +229,7 @@ def available() -> str | None:
 
 BENCHMARK_NEEDS = ("numpy", "torch", "prepare")  # what train.py and prepare.py import from outside the stdlib
 FITNESS_EXIT = 97  # the boot's exit code when the sandbox is unfit (the candidate never ran)
+FITNESS_LIMIT_SECONDS = 300.0  # for the boot's report; the candidate's start-up allowance counts from it
 # argv: the report pipe's fd, the modules to import (comma-separated), "1" if CUDA must work.
 # Nothing is kept in the namespace train.py runs in (runpy gives it a fresh one).
 FITNESS_BOOT = r"""
@@ -273,8 +274,10 @@ def boot_argv(python: str, report_fd: int, cuda: bool, needs: tuple[str, ...] = 
 
 
 def read_fitness(r: int) -> dict | None:
-    """The boot's report from the pipe's read end (closed here), once every writer is gone; None
-    if there is none (the interpreter never started, or died before it could say)."""
+    """The boot's report from the pipe's read end (closed here): read until it is whole or the
+    pipe ends; None if there is none (the interpreter never started, or died before it could say).
+    The boot writes it at once, then closes its end; a process that passed the fd on (bwrap's
+    own) may hold it open longer, so the report is taken as soon as it parses."""
     import json
 
     raw = b""
@@ -284,13 +287,38 @@ def read_fitness(r: int) -> dict | None:
             if not part:
                 break
             raw += part
+            try:
+                report = json.loads(raw)
+            except ValueError:
+                continue
+            return report if isinstance(report, dict) else None
     finally:
         os.close(r)
-    try:
-        report = json.loads(raw)
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) else None
+    return None
+
+
+class Fitness:
+    """The boot's report, read by a thread while the sandbox runs; `at`: when it came
+    (time.monotonic), so that the candidate's start-up allowance counts from there."""
+
+    def __init__(self, r: int) -> None:
+        import threading
+
+        self.report: dict | None = None
+        self.at: float | None = None
+        self._thread = threading.Thread(target=self._read, args=(r,), daemon=True, name="sandbox-fitness")
+        self._thread.start()
+
+    def _read(self, r: int) -> None:
+        import time
+
+        self.report = read_fitness(r)
+        self.at = time.monotonic()
+
+    def result(self, timeout: float = 5.0) -> dict | None:
+        """The report, once the sandbox has ended (None if it never came)."""
+        self._thread.join(timeout)
+        return self.report
 
 
 def unfit_reason(report: dict | None, who: str, last_words: str = "") -> str:
