@@ -13,10 +13,11 @@ the test fails, naming them.
 
 Not the test's: the process-wide pool of checking processes (controller/lab/repo.py's
 shared_check_pool, started by the first check and serving every later test, with
-the git processes its workers keep) and multiprocessing's resource tracker. Objects
-a test dropped (a LocalLab it never closed, with its repo's git processes) are
-collected first: what garbage collection ends is not left behind, though a
-library user should `close()` a lab, and the tests do.
+the git processes its workers keep), multiprocessing's resource tracker, and a
+lab repo's long-lived git plumbing (`git cat-file --batch` and its kin, see
+`_Plumbing`): it belongs to a LabRepo object, ends with it (`close()`, or garbage
+collection once pytest lets go of the test's fixtures) and runs nothing of the
+test's.
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def _descendants(living: dict[int, int], roots: set[int]) -> set[int]:
     return out
 
 
+PLUMBING = (b"cat-file\0--batch", b"hash-object\0-w\0--no-filters\0--stdin-paths", b"mktree\0-z\0--batch",
+            b"hash-object\0-w\0-t\0commit\0--stdin-paths", b"update-ref\0--stdin")
+
+
+def _plumbing(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return cmd.startswith(b"git\0") and cmd.rstrip(b"\0").endswith(PLUMBING)
+
+
 def _ours(place: str, before: set[int]) -> dict[int, str]:
     """New living processes of this test: pid -> command line."""
     living = _living()
@@ -86,7 +99,7 @@ def _ours(place: str, before: set[int]) -> dict[int, str]:
     mine, theirs = _descendants(living, {me}), _descendants(living, shared)
     found = {}
     for pid in living:
-        if pid == me or pid in before or pid in theirs:
+        if pid == me or pid in before or pid in theirs or _plumbing(pid):
             continue
         if pid in mine or _names_place(pid, place):
             try:
