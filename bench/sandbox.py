@@ -503,5 +503,6 @@ if __name__ == "__main__":  # `python -I sandbox.py`: exit 0 if candidates can b
     # exit 1: no sandbox here; 2: a sandbox that cannot run the benchmark (the message says why)
     problem = available()
     unfit = None if problem else fitness_problem(cuda=wants_gpu())
-    print(problem or unfit or "ok: candidates run in a bubblewrap sandbox that can import what the benchmark needs")
+    print(problem or unfit or "ok: candidates run in a bubblewrap sandbox that can import what the "
+                              "benchmark needs")
     sys.exit(1 if problem else 2 if unfit else 0)

@@ -177,7 +177,8 @@ class LocalBackend:
             if alive:
                 _stop(launch)
             shutil.rmtree(d, ignore_errors=True)
-            reaped.append(f"{launch.get('run') or d.name} on slot {d.name[len('.next-'):]} (pid {launch.get('pid')}): "
+            slot = d.name[len(".next-"):]
+            reaped.append(f"{launch.get('run') or d.name} on slot {slot} (pid {launch.get('pid')}): "
                           + ("stopped" if alive else "it had given up by itself"))
         return reaped
 

@@ -316,8 +316,8 @@ def cmd_run(a) -> int:
         _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
         reaped = lab.reap_stale()
         if reaped:
-            print(f"{autolab_command()} run: reaped {len(reaped)} run(s) started ahead by a controller that is "
-                  "gone: " + "; ".join(reaped), file=sys.stderr, flush=True)
+            print(f"{autolab_command()} run: reaped {len(reaped)} run(s) started ahead by a controller "
+                  "that is gone: " + "; ".join(reaped), file=sys.stderr, flush=True)
         return run_loop(lab, watch=a.watch, interval=a.interval)
 
 
