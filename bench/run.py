@@ -24,14 +24,20 @@ is trusted, and so is everything it starts except the candidate. In order:
    training is done (`prepare.export_model` does) or exits. More than
    budget + BUDGET_SLACK of training is `BudgetExceeded`, never clamped. Hard
    deadlines kill it: the start-up allowance before the first batch, the
-   export allowance after training.
+   export allowance after training. Before any of it, the harness checks
+   there is room on disk (MIN_FREE_BYTES), and the sandbox that it can import
+   what the benchmark needs (sandbox.FITNESS_BOOT; the allowance counts from
+   its report): a machine that fails either is an error, never the
+   candidate's crash.
 3. When the sandbox's first process exits the kernel kills every process left
    in its PID namespace; the harness checks that none is left before it goes
    on (`ProcessesLeft`).
 4. Moves the exported model out of the scratch directory (regular files only)
    and measures val_bpb in a separate evaluator process (`python -I
    evaluate.py`, this directory's own copy) that runs no candidate code and
-   refuses archives that would. The metric comes only from there.
+   refuses archives that would. The metric comes only from there. An
+   evaluator that dies before it is ready (before it read anything of the
+   export) died of its machine: it is started once more, then it is an error.
 5. Writes one result JSON, atomically, always: signed (HMAC-SHA256) when the
    controller passed a key on --key-fd (or --key-file), and the same JSON,
    compact and at most 4 KiB (the reason is cut to fit before signing), to the

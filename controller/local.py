@@ -15,6 +15,11 @@ status goes once the ledger has the row.
 
 Each experiment is reconciled under its own file lock, so `autolab delete`
 can act while `autolab run` is looping, and two loops never double-submit.
+
+A LocalLab holds processes of its own (the runs it started ahead of their
+turn, its repo's git plumbing): code that uses it as a library ends it with
+`close()` or `with LocalLab(root) as lab:`. Submitted runs are not its: they
+go on, and the next loop adopts them.
 """
 
 from __future__ import annotations

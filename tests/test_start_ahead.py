@@ -136,6 +136,19 @@ def test_through_the_loop_the_next_run_starts_up_during_the_evaluation_and_train
 
 
 
+def test_a_gate_that_never_opens_is_an_error_not_the_candidates_crash(bench, tmp_path, monkeypatch):
+    """Nobody opens the gate within the harness's bound (a controller that hangs): the run gives
+    up as an error, nothing measured. The stream it waited on closes under the candidate, which
+    then dies; that death is not its verdict. The bound, 30 minutes, is cut to 3 s here."""
+    gate = tmp_path / "gate"
+    gate.write_text("busy\n")
+    monkeypatch.setattr(bench.run, "GATE_LIMIT_SECONDS", 3.0)
+    result = bench.run.run_candidate(TRAIN, tmp_path / "r.json", source="synthetic", budget=2,
+                                     sandbox_request="none", gate=gate, echo=False)
+    assert (result["status"], result["reason_code"]) == ("error", "HarnessError"), result["reason"]
+    assert "the GPU was not handed over within 3s" in result["reason"]
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
