@@ -52,6 +52,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
@@ -122,6 +123,11 @@ def _stop(launch: dict) -> None:
     _reap(pid)
 
 
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -150,15 +156,14 @@ class LocalBackend:
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
         self._start: tuple[str | None] | None = None  # (sha1 of the starting program,), once known
-        self._owner: tuple[int, int] | None = None  # the pipe runs started ahead watch (read, write)
+        self._owner: weakref.finalize | None = None  # closes the pipe runs started ahead watch
 
     def close(self) -> None:
         """Stop the runs started ahead by this backend and drop the pipe they watch. Submitted runs
         go on (the next controller adopts them)."""
         self.stop_next()
         if self._owner is not None:
-            for fd in self._owner:
-                os.close(fd)
+            self._owner()  # closes both ends
             self._owner = None
 
     def reap_stale(self) -> list[str]:
@@ -184,9 +189,11 @@ class LocalBackend:
 
     def _owner_fd(self) -> int:
         """The read end of the pipe runs started ahead watch (see the module docstring)."""
-        if self._owner is None:
-            self._owner = os.pipe()  # neither end inherited unless passed: submitted runs never hold it
-        return self._owner[0]
+        if self._owner is None or not self._owner.alive:
+            r, w = os.pipe()  # neither end inherited unless passed: submitted runs never hold it
+            # A backend dropped without close() closes it when collected: its runs give up then.
+            self._owner = weakref.finalize(self, _close_fds, r, w)
+        return self._owner.peek()[2][0]
 
     def run_dir(self, run: str) -> Path:
         return self.runs / run
