@@ -531,6 +531,7 @@ def test_only_a_program_that_may_write_or_hide_an_operator_is_retraced(harness, 
     scope = {"__name__": "train_model_only", "__file__": str(BENCH / "train.py")}
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setenv("AUTOLAB_BENCH_PROFILE", "tiny")
+    monkeypatch.setenv("AUTOLAB_CACHE", harness.env["AUTOLAB_CACHE"])  # the fixture's data, not ~/.cache's
     monkeypatch.setitem(sys.modules, "prepare", harness.prepare)
     exec(compile(source[:source.index("model = torch.compile(")], "train.py", "exec"), scope)
     assert check(scope["raw_model"], "train") == 0
