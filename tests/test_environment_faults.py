@@ -139,7 +139,9 @@ def test_a_full_disk_is_an_error_before_the_candidate_starts(bench, tmp_path):
     in a mount namespace of the run's own): the candidate would crash writing its model."""
     small = tmp_path / "small"
     small.mkdir()
-    ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-current-user", "--mount"]
+    # As another user, a user namespace lets mount(8) run as that namespace's root; the disk check
+    # comes before anything the harness does as root there would fail.
+    ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     mount = [*ns, "sh", "-c", 'mount -t tmpfs -o size=8m tmpfs "$0" && exec "$@"', str(small)]
     result, out = harness_run(sys.executable, BENCH, bench.cache, tmp_path, "none", *mount, TMPDIR=str(small))
     assert (result["status"], result["reason_code"]) == ("error", "HarnessError"), result["reason"]
