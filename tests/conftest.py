@@ -6,8 +6,9 @@ A test that ends with one of them still alive leaves it to train, hold memory
 (on a GPU machine a CUDA context) or kill the next test's processes of its uid
 (uid mode's sweep). So after each test this guard looks for processes that were
 not there before it and are the test's: descendants of this pytest process, or
-processes working in or named after this worker's temporary directory (a run
-whose controller was killed is no longer anyone's child). Those still alive
+processes working in or named after this worker's temporary directory, or
+started while this test ran (their environment holds its PYTEST_CURRENT_TEST):
+a run or a check worker whose controller was killed is no longer anyone's child. Those still alive
 after a grace period (a stopped run takes a few seconds to end) are killed and
 the test fails, naming them.
 
@@ -55,6 +56,13 @@ def _living() -> dict[int, int]:
     return out
 
 
+def _started_by(pid: int, nodeid: str) -> bool:
+    try:
+        return f"PYTEST_CURRENT_TEST={nodeid} (".encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
 def _names_place(pid: int, place: str) -> bool:
     try:
         if os.readlink(f"/proc/{pid}/cwd").startswith(place):
@@ -88,7 +96,7 @@ def _plumbing(pid: int) -> bool:
     return cmd.startswith(b"git\0") and cmd.rstrip(b"\0").endswith(PLUMBING)
 
 
-def _ours(place: str, before: set[int]) -> dict[int, str]:
+def _ours(place: str, nodeid: str, before: set[int]) -> dict[int, str]:
     """New living processes of this test: pid -> command line."""
     living = _living()
     me = os.getpid()
@@ -101,7 +109,7 @@ def _ours(place: str, before: set[int]) -> dict[int, str]:
     for pid in living:
         if pid == me or pid in before or pid in theirs or _plumbing(pid):
             continue
-        if pid in mine or _names_place(pid, place):
+        if pid in mine or _names_place(pid, place) or _started_by(pid, nodeid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
@@ -117,10 +125,10 @@ def no_process_left_behind(request, tmp_path_factory):
     yield
     gc.collect()
     deadline = time.monotonic() + GRACE_SECONDS
-    left = _ours(place, before)
+    left = _ours(place, request.node.nodeid, before)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _ours(place, before)
+        left = _ours(place, request.node.nodeid, before)
     if not left:
         return
     for pid in left:
