@@ -81,6 +81,12 @@ It writes one JSON object to --out: {"ok": true, "val_bpb", "num_params",
 fault is not the candidate's (e.g. no GPU for a program exported on one):
 the run is an infrastructure error. `device_name` is the GPU's name as CUDA
 gives it (None on a CPU): run.py looks up its peak FLOP/s by it.
+
+With --tell-ready FILE it writes FILE once it is ready (the data read and
+checked, torch imported, the device opened) and before it reads anything of
+the export. An evaluator that dies with no verdict and no FILE died of its
+environment (a broken interpreter, the kernel's OOM killer), never of the
+candidate's model: the harness does not blame the candidate for it.
 """
 
 from __future__ import annotations
@@ -997,6 +1003,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write FILE once the evaluation holds all the GPU memory it will use (two batches "
                              "scored and probed; the allocator keeps what it took): another process may then "
                              "use the GPU's free memory without starving this evaluation")
+    parser.add_argument("--tell-ready", type=Path, default=None, metavar="FILE",
+                        help="write FILE once ready (data checked, torch imported, device opened), before "
+                             "anything of the export is read")
     parser.add_argument("--candidate-had-no-gpu", action="store_true",
                         help="the candidate trained without a GPU: an archive naming a CUDA device is refused "
                              "(the candidate's fault), not reported as this machine's")
@@ -1008,7 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
         export_dir = args.export_dir
         if export_dir == "-":
             _not_dumpable()
-            ready = get_ready(args.data_dir, args.val_sha256, args.token_bytes_sha256, rehearsal=True)
+        ready = get_ready(args.data_dir, args.val_sha256, args.token_bytes_sha256, rehearsal=export_dir == "-")
+        if args.tell_ready is not None:
+            args.tell_ready.write_text("ready: the export has not been read\n")
+        if export_dir == "-":
             export_dir = sys.stdin.readline().rstrip("\n")
             if not export_dir:
                 return 0  # the run ended before there was an export to measure

@@ -7,8 +7,8 @@
                            [--sandbox auto|bwrap|uid|isolated|container|none]
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
-                           [--compile-cache-from SHA1] [--gate FILE] [--handover FILE]
-                           [--handback FILE]
+                           [--compile-cache-from SHA1] [--gate FILE [--gate-owner-fd FD]]
+                           [--handover FILE] [--handback FILE]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
 is trusted, and so is everything it starts except the candidate. In order:
@@ -24,14 +24,20 @@ is trusted, and so is everything it starts except the candidate. In order:
    training is done (`prepare.export_model` does) or exits. More than
    budget + BUDGET_SLACK of training is `BudgetExceeded`, never clamped. Hard
    deadlines kill it: the start-up allowance before the first batch, the
-   export allowance after training.
+   export allowance after training. Before any of it, the harness checks
+   there is room on disk (MIN_FREE_BYTES), and the sandbox that it can import
+   what the benchmark needs (sandbox.FITNESS_BOOT; the allowance counts from
+   its report): a machine that fails either is an error, never the
+   candidate's crash.
 3. When the sandbox's first process exits the kernel kills every process left
    in its PID namespace; the harness checks that none is left before it goes
    on (`ProcessesLeft`).
 4. Moves the exported model out of the scratch directory (regular files only)
    and measures val_bpb in a separate evaluator process (`python -I
    evaluate.py`, this directory's own copy) that runs no candidate code and
-   refuses archives that would. The metric comes only from there.
+   refuses archives that would. The metric comes only from there. An
+   evaluator that dies before it is ready (before it read anything of the
+   export) died of its machine: it is started once more, then it is an error.
 5. Writes one result JSON, atomically, always: signed (HMAC-SHA256) when the
    controller passed a key on --key-fd (or --key-file), and the same JSON,
    compact and at most 4 KiB (the reason is cut to fit before signing), to the
@@ -68,7 +74,14 @@ controller may start the GPU's next run beside it with `--gate`: that run
 imports, compiles and warms up, and its first request for data is answered
 only once the gate file is gone (the controller removes it when it submits
 that run, after this one's verdict). The wait is timed as `gpu_wait_seconds`,
-not as start-up. An evaluation that runs out of time after the handover may
+not as start-up. A run waiting at its gate is never left behind: with
+`--gate-owner-fd FD` (the read end of a pipe whose write end only the
+controller holds) it gives up as soon as the controller is gone (the pipe
+reads end of file: a kill -9, a crash, a library user that never closed its
+lab) while its gate is still closed, and in any case after GATE_LIMIT_SECONDS
+at the gate; either is an error (`HarnessError`: nothing was measured, the
+candidate may run again), never the candidate's crash. An evaluation that
+runs out of time after the handover may
 have been slowed by the newcomer, so it is not yet the candidate's failure:
 with `--handback FILE` the harness withdraws the handover (removes that file),
 writes FILE, and waits for the controller to stop the newcomer and remove
@@ -206,6 +219,10 @@ EXPORT_SETTLE = 1.0  # seconds from model.pt2 appearing to stopping the candidat
 # Largest file a candidate may write (RLIMIT_FSIZE): its exported model and compile caches fit with room
 # (the default profile's model.pt2 is ~0.2 GiB, the tiny one's ~2 MiB).
 MAX_FILE_BYTES = {"tiny": 256 * 2**20, "default": 4 * 2**30}
+# Free space a run needs where its scratch and its evaluator's directory are, checked before the
+# candidate starts: its export, compile cache and their copies. Less is the machine's fault (an
+# error), not a candidate that crashed writing its model.
+MIN_FREE_BYTES = {"tiny": 64 * 2**20, "default": 2 * 2**30}
 # The compile cache of the lab's starting program (its owner's train.py, not an agent's): kept
 # under <data cache>/COMPILE_SEEDS/<profile>/<sha1>/{compile,triton} by the first run of exactly
 # those bytes, and copied into every run's scratch before its candidate starts. Only a run of those
@@ -301,6 +318,33 @@ def _sha256(path: Path) -> str:
 # --- the training stream: data in, time measured ---------------------------------------------
 
 
+class Gate:
+    """--gate FILE: the first batch waits while FILE exists; --gate-owner-fd FD: the controller that
+    made the gate, alive while the pipe FD reads nothing (it never writes; end of file = gone)."""
+
+    def __init__(self, path: Path, owner_fd: int | None = None) -> None:
+        self.path = path
+        self.given_up: str | None = None  # why the run stopped waiting (an error, not the candidate's)
+        self.owner_gone = threading.Event()
+        if owner_fd is not None:
+            def watch() -> None:
+                with contextlib.suppress(OSError):
+                    while os.read(owner_fd, 1):
+                        pass
+                self.owner_gone.set()
+            threading.Thread(target=watch, daemon=True, name="gate-owner").start()
+
+    def closed(self) -> bool:
+        return os.path.lexists(self.path)
+
+    def abandoned(self) -> str | None:
+        """Why this run gives up waiting, if it does: its controller is gone while the gate is closed."""
+        if self.given_up is None and self.owner_gone.is_set() and self.closed():
+            self.given_up = ("the controller that started this run ahead of its turn is gone, and nobody will "
+                             "open its gate; nothing was measured (the next `autolab run` starts it again)")
+        return self.given_up
+
+
 class DataServer:
     """Streams the training split to the candidate over a socket and notes the time.
 
@@ -312,7 +356,7 @@ class DataServer:
     is answered only once the gate file is gone: the clock starts then.
     """
 
-    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Path | None = None) -> None:
+    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Gate | None = None) -> None:
         self.tokens, self.conn = tokens, conn
         self.pos = seed % max(1, len(tokens))
         self.gate = gate  # while this file exists the first batch waits (the GPU is not ours yet)
@@ -355,9 +399,12 @@ class DataServer:
                     break
                 if self.first is None:
                     self.asked = time.monotonic()
-                    while self.gate is not None and os.path.lexists(self.gate):
+                    while self.gate is not None and self.gate.closed():
                         if time.monotonic() - self.asked > GATE_LIMIT_SECONDS:
-                            raise OSError("the GPU was not handed over")
+                            self.gate.given_up = (f"the GPU was not handed over within {GATE_LIMIT_SECONDS:g}s "
+                                                  "of waiting at the gate; nothing was measured")
+                        if self.gate.abandoned():
+                            raise OSError(self.gate.given_up)
                         time.sleep(GATE_POLL_SECONDS)
                     self.first = time.monotonic()
                     self.first_wall = time.time()
@@ -406,6 +453,8 @@ class Watch:
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.namespace: str | None = None
         self.left: list[int] = []  # its processes still alive after it ended (and after killing them)
+        self.fitness: dict | None = None  # the sandbox's own report, before the candidate ran (sandbox.FITNESS_BOOT)
+        self.who = "the sandbox"  # whom the candidate ran as, for a person
 
 
 def _lines(stream, limit: int = LINE_LIMIT_BYTES):
@@ -424,7 +473,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
                    confine: sandbox.Confinement | None = None, reap: Any = None,
-                   export_dir: Path | None = None) -> Watch:
+                   export_dir: Path | None = None, fitness: sandbox.Fitness | None = None) -> Watch:
     """Start argv, stream its output, enforce the deadlines; returns when it has exited.
 
     confine, if given, loads the syscall filter in the child before it execs argv (a child that
@@ -436,6 +485,10 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     The first export after `done` is the one measured: once model.pt2 appears in export_dir (and
     stats.json, or EXPORT_SETTLE seconds later) the candidate is stopped, so it cannot train on
     read-ahead batches and export again, nor rewrite the file it exported.
+
+    fitness, if given, is the sandbox's own report (sandbox.FITNESS_BOOT): the start-up allowance
+    counts from its arrival, when the candidate's code starts; the boot itself has
+    sandbox.FITNESS_LIMIT_SECONDS to report.
     """
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
@@ -478,7 +531,11 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     exported_at = None
     while proc.poll() is None:
         now = time.monotonic()
-        if server.asked is None and now - w.started > startup:
+        booting = fitness is not None and fitness.at is None
+        if booting and now - w.started > sandbox.FITNESS_LIMIT_SECONDS:
+            _kill(proc)  # no report: the sandbox's fault (see _judge), never a verdict on the candidate
+            break
+        if server.asked is None and not booting and now - (fitness.at if fitness else w.started) > startup:
             w.killed = (f"it asked for no training data within the start-up allowance of {startup:g}s "
                         "(compile and warm up take place before the first batch)")
         elif server.first is not None and server.done is None and now - server.first > train_limit:
@@ -491,7 +548,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
             if exported_at is not None and (os.path.lexists(export_dir / "stats.json")
                                             or now - exported_at > EXPORT_SETTLE):
                 w.stopped_at_export = True
-        if w.killed or w.stopped_at_export:
+        if w.killed or w.stopped_at_export or (server.gate is not None and server.gate.abandoned()):
             _kill(proc)
             break
         try:
@@ -1160,6 +1217,11 @@ def _prepared(source: str, num_shards: int | None, endpoint: str | None, log: Ru
                                log=lambda m: log.harness(m))
     except prepare.PrepareError as e:
         raise Outcome("error", "DataUnavailable", f"preparing the data ({source}) failed: {e}") from e
+    except OSError as e:  # the cache itself: unreadable, not a directory, on a full disk
+        raise Outcome("error", "DataUnavailable",
+                      f"the data cache {prepare.cache_root()} cannot be used ({type(e).__name__}: {e}); nothing of "
+                      "the candidate ran. It must be a directory the harness can read and write: fix it, or set "
+                      "AUTOLAB_CACHE to one") from e
 
 
 DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness seeds (a prime)
@@ -1167,7 +1229,7 @@ DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness 
 
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
            startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path],
-           compile_from: str | None = None, gate: Path | None = None) -> tuple[Watch, DataServer]:
+           compile_from: str | None = None, gate: Gate | None = None) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
     is left (Watch.left: those that could not be killed). compile_from: the sha1 of the lab's
     starting program, whose kept compile cache the scratch starts with (a copy)."""
@@ -1224,12 +1286,16 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     # order's. Repeat runs of one program (seeds 1, 2, ...) start elsewhere in it.
     seed = int(result.get("seed") or 0) * DATA_SEED_STRIDE
     server = DataServer(tokens, ours, seed, gate).start()
-    if gate is not None and os.path.lexists(gate):
+    if gate is not None and gate.closed():
         log.harness("the run before this one on the GPU is being evaluated: the candidate starts up beside it, "
                     "and its first batch waits until the controller hands the GPU over")
     limits = sandbox.Limits(address_space=None if gpu else _memory_limit(),
                             fsize=MAX_FILE_BYTES.get(prepare.PROFILE, sandbox.Limits.fsize))
-    python = [sys.executable, "-s", "-P", "train.py"]
+    # The sandbox first checks that it can import what the benchmark needs (and use the GPU), and
+    # says so on this pipe before train.py runs: an unfit sandbox is never the candidate's fault.
+    fit_r, fit_w = sandbox.fitness_pipe()
+    fitness = sandbox.Fitness(fit_r)
+    python = sandbox.boot_argv(sys.executable, fit_w, gpu)
     info_r = info_w = None
     if sandboxed:
         info_r, info_w = os.pipe()
@@ -1245,18 +1311,22 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     swept: list[tuple[int, list[int]]] = []
     try:
         w = _run_sandboxed(argv, cwd=scratch, env=env,
-                           pass_fds=(theirs.fileno(),) + ((filter_r,) if filter_r is not None else ()),
+                           pass_fds=(theirs.fileno(), fit_w) + ((filter_r,) if filter_r is not None else ()),
                            server=server, budget=budget, startup=startup, export=export, log=log,
                            limits=limits, confine=confine, info_fd=info_w, info_r=info_r,
                            reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
-                           export_dir=scratch / "export")
+                           export_dir=scratch / "export", fitness=fitness)
     finally:
         theirs.close()
+        os.close(fit_w)
         if filter_r is not None:
             os.close(filter_r)
     if info_r is not None:
         os.close(info_r)
     ours.close()
+    w.fitness = fitness.result()
+    w.who = {"uid": f"uid {uid}", "bwrap": f"the sandbox's uid {sandbox.SANDBOX_UID}" if os.geteuid() == 0
+             else "the sandbox"}.get(mode, "the harness's user")
     server.thread.join(timeout=5.0)
     result["exit_code"] = w.rc
     if w.stopped_at_export:
@@ -1275,6 +1345,11 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
 def _judge(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str, str], budget: float,
            result: dict[str, Any]) -> float:
     """The training seconds of a run that went by the rules; raises Outcome for one that did not."""
+    if server.gate is not None and server.gate.given_up:  # it stopped waiting: nobody's verdict
+        raise Outcome("error", "HarnessError", server.gate.given_up, w.rc)
+    if not (w.fitness or {}).get("fit"):  # the candidate never ran: the machine's fault, retriable
+        raise Outcome("error", "SandboxUnavailable", sandbox.unfit_reason(w.fitness, w.who, _last_words(list(w.tail))),
+                      w.rc)
     if mode == "bwrap" and not w.namespace:
         raise Outcome("error", "SandboxUnavailable", "the sandbox did not report its PID namespace; "
                                                      "cannot check that no candidate process is left", w.rc)
@@ -1361,7 +1436,7 @@ class Evaluator:
             [sys.executable, "-I", str(BENCH_DIR / "evaluate.py"), "--export-dir", "-",
              "--data-dir", str(data.path), "--val-sha256", data.sha256("val.bin"),
              "--token-bytes-sha256", data.sha256("token_bytes.npy"), "--out", str(self.out),
-             "--tell-peak", str(eval_dir / "peak"),
+             "--tell-peak", str(eval_dir / "peak"), "--tell-ready", str(eval_dir / "ready"),
              *(["--candidate-had-no-gpu"] if candidate_had_gpu is False else [])],
             cwd=eval_dir, env=eval_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
@@ -1398,6 +1473,11 @@ class Evaluator:
             timed_out = True
         self.stop()
         return (None if timed_out else self.proc.returncode), timed_out, list(self.tail)
+
+    def ready(self) -> bool:
+        """Whether it got ready (data, torch, device) before it ended: before that it had read
+        nothing of the export, so its death was its environment's, not the model's."""
+        return (self.dir / "ready").exists()
 
     def stop(self) -> None:
         _kill(self.proc)
@@ -1443,6 +1523,23 @@ def _measure(eval_dir: Path, export_dir: Path, data, *, log: RunLog, exit_code: 
         too_slow += " twice: beside the next run's start-up, then again with the GPU to itself"
     if eval_timed_out:
         raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
+    if not evaluator.out.exists() and not evaluator.ready():
+        # It died before it read anything of the export: the machine's doing (an OOM kill, a broken
+        # interpreter), never the model's. The candidate is gone now; one more try, then an error.
+        log.harness(f"the evaluator ended before it was ready (exit code {eval_rc}: {_last_words(eval_tail)}); "
+                    "starting it once more")
+        again = eval_dir / "again"
+        again.mkdir()
+        evaluator = Evaluator(again, data, log, candidate_had_gpu)
+        eval_rc, eval_timed_out, eval_tail = evaluator.measure(export_dir, seconds)
+        if eval_timed_out:
+            raise Outcome("failed", "EvaluationFailed", too_slow, exit_code)
+        if not evaluator.out.exists() and not evaluator.ready():
+            raise Outcome("error", "HarnessError",
+                          f"the evaluator died before it read the export, twice (exit code {eval_rc}: "
+                          f"{_last_words(eval_tail)}); nothing was measured, and the model is not to blame. "
+                          f"Check that `{sys.executable} -c 'import torch'` works and that the machine has "
+                          "memory to spare (`dmesg` names a process the kernel killed)", exit_code)
     try:
         evaluation = json.loads(evaluator.out.read_text())
     except (OSError, ValueError):
@@ -1508,6 +1605,20 @@ def _gpu_memory(mode: str, evaluator: Evaluator | None = None) -> GpuMemory:
                      uid=sandbox_uid() if mode == "uid" else None).start()
 
 
+def _room_to_run(*dirs: Path) -> None:
+    """Refuse (HarnessError) to start a candidate where a full disk would make it crash."""
+    need = MIN_FREE_BYTES.get(prepare.PROFILE, MIN_FREE_BYTES["default"])
+    for d in dirs:
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise Outcome("error", "HarnessError",
+                          f"only {free / 2**20:.0f} MiB are free on the filesystem of {d}, and a run of the "
+                          f"{prepare.PROFILE} profile needs {need / 2**20:.0f} MiB (the candidate's export, "
+                          "compile cache and their copies); nothing of the candidate ran. Free space there, or "
+                          "point TMPDIR at a filesystem with room")
+
+
 def _run_dir(mode: str) -> Path:
     # uid mode: the candidate must traverse to its scratch directory, so not under a private $TMPDIR.
     return Path(tempfile.mkdtemp(prefix="autolab-run-", dir=UID_SCRATCH_ROOT if mode == "uid" else None))
@@ -1516,7 +1627,7 @@ def _run_dir(mode: str) -> Path:
 def _execute(candidate: Path, *, source: str, budget: float | None, startup_allowance: float | None,
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
              mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
-             gate: Path | None = None, handover: Path | None = None, handback: Path | None = None,
+             gate: Gate | None = None, handover: Path | None = None, handback: Path | None = None,
              eval_limit_seconds: float | None = None) -> None:
     """--phase all: prepare, train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
@@ -1535,6 +1646,7 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         # machine the evaluator gets ready there (data, torch, GPU) while the candidate starts up.
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
+        _room_to_run(run_dir, eval_dir)
         if _early_evaluator():
             evaluator = Evaluator(eval_dir, data, log, sandbox.wants_gpu())
             log.harness("the evaluator gets ready (data, torch, device) while the candidate starts up")
@@ -1762,6 +1874,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
                   seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
+                  gate_owner_fd: int | None = None,
                   handover: str | os.PathLike | None = None,
                   handback: str | os.PathLike | None = None,
                   eval_limit_seconds: float | None = None) -> dict[str, Any]:
@@ -1776,7 +1889,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS); gate, handover, handback, eval_limit_seconds: see --gate, --handover, --handback,
+    COMPILE_SEEDS); gate, gate_owner_fd, handover, handback, eval_limit_seconds: see --gate,
+    --gate-owner-fd, --handover, --handback,
     --eval-limit. Never raises for
     a failed candidate: see result["status"].
     """
@@ -1793,7 +1907,7 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
         _execute(Path(candidate), source=source, budget=budget, startup_allowance=startup_allowance,
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
                  mode=mode, log=log, result=result, compile_from=compile_from,
-                 gate=Path(gate) if gate else None, handover=Path(handover) if handover else None,
+                 gate=Gate(Path(gate), gate_owner_fd) if gate else None, handover=Path(handover) if handover else None,
                  handback=Path(handback) if handback else None, eval_limit_seconds=eval_limit_seconds)
 
     _settle(result, execute)
@@ -1914,6 +2028,7 @@ def train_phase(candidate: str | os.PathLike, export_dir: str | os.PathLike, tra
             raise Outcome("error", "HarnessError", f"{scratch} exists already: the export directory of a "
                                                    "train phase must start empty")
         hidden = [prepare.cache_root()] if os.path.exists(prepare.cache_root()) else []
+        _room_to_run(export_dir)
         gpu = _gpu_memory(mode)
         try:
             w, server = _train(code, run_dir=export_dir, scratch=scratch, tokens=tokens,
@@ -2134,6 +2249,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="phase all: the candidate's first batch waits while FILE exists (the controller "
                              "started this run while the one before it on the GPU is evaluated); the wait is "
                              "not start-up time")
+    parser.add_argument("--gate-owner-fd", type=int, default=None, metavar="FD",
+                        help="with --gate: the read end of a pipe the controller holds open; at its end of file "
+                             "(the controller is gone) a run still waiting at its gate gives up (an error)")
     parser.add_argument("--handover", default=None, metavar="FILE",
                         help="phase all: written once the candidate is gone and the evaluator holds its GPU "
                              "memory: from then on the next run may start up on this GPU")
@@ -2174,7 +2292,8 @@ def main(argv: list[str] | None = None) -> int:
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
-        compile_from=args.compile_cache_from, gate=args.gate, handover=args.handover,
+        compile_from=args.compile_cache_from, gate=args.gate, gate_owner_fd=args.gate_owner_fd,
+        handover=args.handover,
         handback=args.handback, eval_limit_seconds=args.eval_limit,
     )
     return EXIT_CODES[result["status"]]

@@ -37,8 +37,26 @@ sandbox Flatpak uses, with:
 The training data does not appear in the filesystem at all: the harness
 streams it over a socket (see run.py), which is also how it times the run.
 
+Fitness, checked before the candidate runs, never inferred from its death.
+A sandbox can start and still be unfit: its uid cannot read the Python
+installation (a clone under a 0700 directory such as /root or `mktemp -d`, an
+image whose Python is root's alone), torch is missing from the interpreter, or
+the GPU the run was given is not usable inside. The candidate would then die
+with `ModuleNotFoundError` and be blamed for the machine's fault. So the
+candidate is started through `FITNESS_BOOT`, a few trusted lines that run
+first, in the sandbox, as its uid: they import what the benchmark needs
+(`BENCHMARK_NEEDS`, and CUDA on a GPU run), report the outcome on a pipe of
+the harness's (`fitness_pipe`, `read_fitness`) and close it, and only then run
+`train.py` in the same process (no second interpreter, no second torch
+import: the check costs nothing). No candidate code has run when the report
+is written, so nothing it does can forge it. No report, or an unfit one, is
+the harness's `SandboxUnavailable`: an error, never a verdict on the
+candidate. `python -I sandbox.py` runs the same check once, up front (what
+`autolab run` asks before it starts anything).
+
 `available()` says whether this machine can sandbox; `command()` builds the
-argv. Nothing here imports torch.
+argv; `fitness_problem()` says whether the sandbox can run the benchmark.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -207,6 +225,162 @@ def available() -> str | None:
     return None
 
 
+# --- fitness: can the sandbox run the benchmark at all? ------------------------------------------
+
+BENCHMARK_NEEDS = ("numpy", "torch", "prepare")  # what train.py and prepare.py import from outside the stdlib
+FITNESS_EXIT = 97  # the boot's exit code when the sandbox is unfit (the candidate never ran)
+FITNESS_LIMIT_SECONDS = 300.0  # for the boot's report; the candidate's start-up allowance counts from it
+# argv: the report pipe's fd, the modules to import (comma-separated), "1" if CUDA must work.
+# Nothing is kept in the namespace train.py runs in (runpy gives it a fresh one).
+FITNESS_BOOT = r"""
+import json, os, sys
+def _boot():
+    fd, needs, cuda = int(sys.argv[1]), [n for n in sys.argv[2].split(",") if n], sys.argv[3] == "1"
+    try:
+        import importlib
+        for name in needs:
+            importlib.import_module(name)
+        if cuda:
+            import torch
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch.cuda.is_available() is False although the run was given a GPU")
+        report = {"fit": True}
+    except BaseException as e:
+        report = {"fit": False, "error": f"{type(e).__name__}: {e}"[:1000], "executable": sys.executable,
+                  "prefix": sys.prefix, "uid": os.getuid()}
+    os.write(fd, json.dumps(report).encode())
+    os.close(fd)
+    return report["fit"]
+if not _boot():
+    os._exit(97)
+del _boot
+import runpy
+sys.argv = [os.path.abspath("train.py")]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def fitness_pipe() -> tuple[int, int]:
+    """(read end, write end) for the boot's report; pass the write end to the sandbox and close
+    it here once the sandbox has started."""
+    r, w = os.pipe()
+    os.set_inheritable(w, True)
+    return r, w
+
+
+def boot_argv(python: str, report_fd: int, cuda: bool, needs: tuple[str, ...] = BENCHMARK_NEEDS) -> list[str]:
+    """The interpreter's argv that checks fitness, reports on report_fd, then runs ./train.py."""
+    return [python, "-s", "-P", "-c", FITNESS_BOOT, str(report_fd), ",".join(needs), "1" if cuda else "0"]
+
+
+def read_fitness(r: int) -> dict | None:
+    """The boot's report from the pipe's read end (closed here): read until it is whole or the
+    pipe ends; None if there is none (the interpreter never started, or died before it could say).
+    The boot writes it at once, then closes its end; a process that passed the fd on (bwrap's
+    own) may hold it open longer, so the report is taken as soon as it parses."""
+    import json
+
+    raw = b""
+    try:
+        while len(raw) < 2**16:
+            part = os.read(r, 4096)
+            if not part:
+                break
+            raw += part
+            try:
+                report = json.loads(raw)
+            except ValueError:
+                continue
+            return report if isinstance(report, dict) else None
+    finally:
+        os.close(r)
+    return None
+
+
+class Fitness:
+    """The boot's report, read by a thread while the sandbox runs; `at`: when it came
+    (time.monotonic), so that the candidate's start-up allowance counts from there."""
+
+    def __init__(self, r: int) -> None:
+        import threading
+
+        self.report: dict | None = None
+        self.at: float | None = None
+        self._thread = threading.Thread(target=self._read, args=(r,), daemon=True, name="sandbox-fitness")
+        self._thread.start()
+
+    def _read(self, r: int) -> None:
+        import time
+
+        self.report = read_fitness(r)
+        self.at = time.monotonic()
+
+    def result(self, timeout: float = 5.0) -> dict | None:
+        """The report, once the sandbox has ended (None if it never came)."""
+        self._thread.join(timeout)
+        return self.report
+
+
+def unfit_reason(report: dict | None, who: str, last_words: str = "") -> str:
+    """What was wrong and the fix, for a sandbox whose boot reported unfit (or did not report)."""
+    if report is None:
+        return (f"the sandbox did not start the Python interpreter as {who} "
+                f"({last_words or 'no output'}); nothing of the candidate ran. The interpreter "
+                f"{sys.executable} must be executable by {who}")
+    error = str(report.get("error", ""))
+    if "cuda" in error.lower():
+        return (f"the run was given a GPU but CUDA does not work in the sandbox ({error}); nothing of "
+                "the candidate ran. Check the driver (`nvidia-smi`) and that /dev/nvidia* exist")
+    prefix = report.get("prefix") or sys.prefix
+    return (f"{who} cannot import what the benchmark needs with {report.get('executable') or sys.executable} "
+            f"({error}); nothing of the candidate ran. The Python installation ({sys.prefix}, with its "
+            f"packages; the sandbox saw prefix {prefix}) must be readable by {who}, and every directory "
+            "above it searchable: install it or clone the lab under a directory other users can enter "
+            "(not a 0700 home or `mktemp -d`), or `chmod o+rx` those directories")
+
+
+def fitness_problem(cuda: bool = False) -> str | None:
+    """None if the sandbox can import what the benchmark needs (and use CUDA, if asked), run once
+    the way a candidate is; else what was wrong and the fix. For the up-front check of a machine
+    (`python -I sandbox.py`): it imports torch, a second or two."""
+    import tempfile
+
+    try:
+        seccomp = filter_fd()
+    except RuntimeError as e:
+        return str(e)
+    r, w = fitness_pipe()
+    scratch = Path(tempfile.mkdtemp(prefix="autolab-fitness-"))
+    try:
+        os.chmod(scratch, 0o755)
+        (scratch / "train.py").write_text("")
+        prepare_scratch(scratch)
+        here = Path(__file__).resolve().parent
+        argv = command(boot_argv(sys.executable, w, cuda), scratch=scratch, harness=here, gpu=cuda,
+                       seccomp_fd=seccomp)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": HARNESS, "HOME": SCRATCH,
+               "AUTOLAB_BENCH_PROFILE": os.environ.get("AUTOLAB_BENCH_PROFILE", "tiny")}
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=300,
+                                  pass_fds=(seccomp, w), env=env)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"the sandbox does not start here ({e})"
+        finally:
+            os.close(w)
+        report = read_fitness(r)
+        r = -1
+    finally:
+        os.close(seccomp)
+        if r >= 0:
+            os.close(r)
+        shutil.rmtree(scratch, ignore_errors=True)
+    if report is not None and report.get("fit"):
+        return None
+    words = done.stderr.decode(errors="replace").strip().splitlines()
+    who = f"the sandbox's uid {SANDBOX_UID}" if os.geteuid() == 0 else "the sandbox"
+    return unfit_reason(report, who, words[-1] if words else "")
+
+
 def wants_gpu() -> bool:
     """Whether the run gets the NVIDIA devices: there are some, and CUDA_VISIBLE_DEVICES does not
     hide them all (the local backend sets it to "" for a CPU slot)."""
@@ -326,6 +500,9 @@ def survivors(namespace: str | None) -> list[int]:
 
 
 if __name__ == "__main__":  # `python -I sandbox.py`: exit 0 if candidates can be sandboxed here
+    # exit 1: no sandbox here; 2: a sandbox that cannot run the benchmark (the message says why)
     problem = available()
-    print(problem or "ok: candidates run in a bubblewrap sandbox")
-    sys.exit(1 if problem else 0)
+    unfit = None if problem else fitness_problem(cuda=wants_gpu())
+    print(problem or unfit or "ok: candidates run in a bubblewrap sandbox that can import what the "
+                              "benchmark needs")
+    sys.exit(1 if problem else 2 if unfit else 0)

@@ -15,6 +15,11 @@ status goes once the ledger has the row.
 
 Each experiment is reconciled under its own file lock, so `autolab delete`
 can act while `autolab run` is looping, and two loops never double-submit.
+
+A LocalLab holds processes of its own (the runs it started ahead of their
+turn, its repo's git plumbing): code that uses it as a library ends it with
+`close()` or `with LocalLab(root) as lab:`. Submitted runs are not its: they
+go on, and the next loop adopts them.
 """
 
 from __future__ import annotations
@@ -503,6 +508,31 @@ class LocalLab:
             stop = getattr(backend, "stop_next", None)
             if stop is not None:
                 stop()
+
+    def reap_stale(self) -> list[str]:
+        """Stop what a controller that is gone started ahead of its turn (LocalBackend.reap_stale);
+        one line per run, for a person. `autolab run` calls it first."""
+        reaped = []
+        for backend in list(self.engine.backends.values()):
+            reap = getattr(backend, "reap_stale", None)
+            if reap is not None:
+                reaped += reap()
+        return reaped
+
+    def close(self) -> None:
+        """End cleanly, as a library user must (or `with LocalLab(root) as lab:`): the runs started
+        ahead stop; submitted runs go on, and the next loop adopts them."""
+        for backend in list(self.engine.backends.values()):
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+        self.repo.close()  # its long-lived git processes (a later call starts them again)
+
+    def __enter__(self) -> "LocalLab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def runs_in_flight(self) -> list[tuple[str, str | None]]:
         """(run, experiment) of every local run whose process is still going. Runs live in their

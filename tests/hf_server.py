@@ -144,6 +144,7 @@ class FakeJobsServer:
         self.scripts: list[Script] = []
         self.extra_env: dict[str, str] = {}
         self.work_dir = work_dir
+        self.python = sys.executable  # the job image's interpreter ("python" in a job's command)
         self.clock: Callable[[], float] = time.time
         self.keepalive_seconds = 30.0       # the real service's interval
         self.min_inspect_interval: float | None = None
@@ -259,7 +260,7 @@ class FakeJobsServer:
     def _execute(self, job: FakeJob) -> None:
         cmd = [self._mount(job, c) for c in job.spec["command"]]
         if cmd[0] in ("python", "python3"):
-            cmd[0] = sys.executable
+            cmd[0] = str(self.python)
         home = Path(self.work_dir or "/tmp") / f"job-{job.id[-6:]}"
         (home / "tmp").mkdir(parents=True, exist_ok=True)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",

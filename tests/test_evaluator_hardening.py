@@ -341,18 +341,20 @@ def test_an_archive_with_a_member_outside_its_layout_is_refused(harness, tmp_pat
 
 # --- the evaluator that gets ready while the candidate starts up (--export-dir -) -----------------
 
-NOBODY = 65534
-AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+# The evaluator and its attacker share a uid and neither has CAP_SYS_PTRACE: as root, setpriv takes
+# it out of the bounding set (root has it otherwise, and with it every /proc file); as another user,
+# the process has no capability at all. This interpreter, whatever directory it lives under, serves
+# both (another uid could not read a clone under a 0700 directory).
+AS_SAME_UID = (["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-all", "--"] if os.geteuid() == 0 else [])
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="runs the evaluator and its attacker as another uid (root, setpriv)")
 def test_a_waiting_evaluator_takes_its_export_from_stdin_and_no_process_of_its_uid_can_write_there(
         harness, tmp_path):
     """An evaluator started early lives while the candidate runs. Where the candidate has its
     uid (a run without a sandbox), /proc/<pid>/fd/0 would let it name an export of its own:
-    the waiting evaluator makes itself non-dumpable, so /proc/<pid>/fd is root's and opening
-    its stdin fails. Handed the real directory, it measures what an honest model scores."""
+    the waiting evaluator makes itself non-dumpable (before it gets ready, which it tells), so
+    opening its stdin fails for a process of its uid. Handed the real directory, it measures
+    what an honest model scores."""
     import tempfile
     import time
 
@@ -370,30 +372,24 @@ def test_a_waiting_evaluator_takes_its_export_from_stdin_and_no_process_of_its_u
         work = shared / "work"
         work.mkdir(mode=0o777)
         os.chmod(work, 0o777)
-        out = work / "evaluation.json"
+        out, ready = work / "evaluation.json", work / "ready"
         proc = subprocess.Popen(
-            [*AS_NOBODY, sys.executable, "-I", str(BENCH / "evaluate.py"), "--export-dir", "-", "--data-dir", str(shared),
-             "--val-sha256", harness.data.sha256("val.bin"),
-             "--token-bytes-sha256", harness.data.sha256("token_bytes.npy"), "--out", str(out)],
+            [*AS_SAME_UID, sys.executable, "-I", str(BENCH / "evaluate.py"), "--export-dir", "-",
+             "--data-dir", str(shared), "--val-sha256", harness.data.sha256("val.bin"),
+             "--token-bytes-sha256", harness.data.sha256("token_bytes.npy"), "--out", str(out),
+             "--tell-ready", str(ready)],
             env={**{k: v for k, v in harness.env.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))},
                  "HOME": str(work), "TMPDIR": str(work), "AUTOLAB_CACHE": str(work)},
             cwd=work, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
-            # Non-dumpable shows as /proc/<pid>/fd owned by root while the process is nobody's
-            # (before setpriv has switched, the process is root's: wait for nobody first).
-            deadline = time.monotonic() + 60
-
-            def uid_of() -> int:
-                status = Path(f"/proc/{proc.pid}/status").read_text()
-                return int(next(x for x in status.splitlines() if x.startswith("Uid:")).split()[1])
-
-            while uid_of() != NOBODY or os.stat(f"/proc/{proc.pid}/fd").st_uid != 0:
-                assert proc.poll() is None and time.monotonic() < deadline, "the evaluator never became " \
-                    "non-dumpable: /proc/<pid>/fd stays open to its uid"
+            # It is non-dumpable before it gets ready, and says when it is ready.
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "the evaluator never got ready"
                 time.sleep(0.05)
             attack = subprocess.run(
-                [*AS_NOBODY, sys.executable, "-I", "-c",
+                [*AS_SAME_UID, sys.executable, "-I", "-c",
                  "import sys\ntry:\n    open(sys.argv[1], 'w').write(sys.argv[2] + '\\n')\n"
                  "except OSError as e:\n    print(type(e).__name__)\nelse:\n    print('WROTE')",
                  f"/proc/{proc.pid}/fd/0", str(shared / "forged")],
@@ -535,6 +531,7 @@ def test_only_a_program_that_may_write_or_hide_an_operator_is_retraced(harness, 
     scope = {"__name__": "train_model_only", "__file__": str(BENCH / "train.py")}
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setenv("AUTOLAB_BENCH_PROFILE", "tiny")
+    monkeypatch.setenv("AUTOLAB_CACHE", harness.env["AUTOLAB_CACHE"])  # the fixture's data, not ~/.cache's
     monkeypatch.setitem(sys.modules, "prepare", harness.prepare)
     exec(compile(source[:source.index("model = torch.compile(")], "train.py", "exec"), scope)
     assert check(scope["raw_model"], "train") == 0

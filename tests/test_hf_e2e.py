@@ -29,6 +29,7 @@ from controller.cli.lab import init_lab
 from controller.core.spec import API_VERSION
 from controller.local import LocalLab
 from hf_server import FakeJobsServer
+from test_environment_faults import open_dir  # noqa: F401  (a fixture)
 
 TOKEN = "hf_E2EtokenThatMustNeverBeWritten987"
 
@@ -174,3 +175,48 @@ def test_entry_point_refuses_to_measure_when_a_parent_process_keeps_the_key(tmp_
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "keep AUTOLAB_RESULT_KEY in their environment" in proc.stdout
     assert "AUTOLAB_SIGNED_RESULT" not in proc.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a job's sandbox runs as a uid of its own only when the job is root "
+                                              "(as Hugging Face jobs are); as another user it runs as that user, "
+                                              "who can read their own Python")
+def test_a_job_whose_python_its_sandbox_cannot_read_fails_as_the_machine_and_the_diff_runs_again(hf_lab,
+                                                                                                 open_dir):
+    """A job image whose Python the sandbox's uid cannot read: every run of it would crash on
+    `import torch`. The sandbox says so before the candidate runs: the experiment fails with
+    SandboxUnavailable, its ledger row says `error` (no verdict), and once the image is fixed the
+    same diff, applied again, is measured."""
+    from test_environment_faults import a_python
+    srv, root, _ = hf_lab
+    python, fix = a_python(open_dir, "unreadable")
+    srv.python = python
+    try:
+        with LocalLab(root) as lab:
+            lab.repo.set_master_metric(0.001)  # unless measured already: no baseline job here
+            old = (root / "bench" / "train.py").read_text()
+            new = old.replace("WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.45", 1)
+            diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                "a/bench/train.py", "b/bench/train.py"))
+
+            def measure(name: str) -> dict:
+                lab.apply_file({"apiVersion": API_VERSION, "kind": "Experiment", "metadata": {"name": name},
+                                "spec": {"hypothesis": "A shorter warmdown.", "campaign": "images",
+                                         "parent": lab.repo.master().hash[:8], "diff": diff}}, "test")
+                deadline = time.time() + 300
+                while time.time() < deadline:
+                    st = lab.step() and lab.read_record(name).get("status", {})
+                    if st.get("phase") in ("Succeeded", "Failed", "Duplicate", "Invalid"):
+                        return st
+                    time.sleep(0.3)
+                raise AssertionError(f"{name} did not finish")
+
+            st = measure("image-unreadable")
+            assert (st["phase"], st["reason"]) == ("Failed", "SandboxUnavailable"), st
+            assert "cannot import what the benchmark needs" in st["message"], st["message"]
+            [row] = [r for r in lab.ledger.rows() if r["experiment_id"] == "image-unreadable"]
+            assert row["status"] == "error", row
+            fix()
+            st = measure("image-fixed")
+            assert st["phase"] == "Succeeded", st
+    finally:
+        srv.python = sys.executable

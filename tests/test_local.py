@@ -221,14 +221,16 @@ def test_delete_cancels_a_running_run_and_records_it(tmp_path):
 
 
 def test_a_broken_spec_file_is_named_and_the_others_still_run(tmp_path, capsys):
-    lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
-    lab.repo.set_master_metric(9.9)
-    (lab.root / "experiments" / "oops.yaml").write_text("kind: Experiment\nmetadata: {}\n")
-    lab.apply_file(spec_from_edit(lab, "prep", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.5\n",
-                         "Only a blank line (a duplicate of the master)."), "test")
-    summary = lab.step()
-    assert any("oops.yaml: metadata.name: required field is missing" in e for e in summary.errors)
-    assert _phase(lab.root, "prep") == "Duplicate"
+    # minDelta 0: no repeat runs of the master (the default, auto, would start one and leave it going)
+    with init_lab(tmp_path / "lab", profile="tiny", data="synthetic", min_delta=0) as lab:
+        lab.repo.set_master_metric(9.9)
+        (lab.root / "experiments" / "oops.yaml").write_text("kind: Experiment\nmetadata: {}\n")
+        lab.apply_file(spec_from_edit(lab, "prep", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.5\n",
+                                      "Only a blank line (a duplicate of the master)."), "test")
+        summary = lab.step()
+        assert any("oops.yaml: metadata.name: required field is missing" in e for e in summary.errors)
+        assert _phase(lab.root, "prep") == "Duplicate"
+        assert not lab.runs_in_flight()
 
 
 def test_without_a_sandbox_run_refuses_unless_told_and_then_every_status_says_so(tmp_path):

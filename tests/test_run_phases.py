@@ -246,13 +246,49 @@ def test_isolated_is_bwrap_else_a_uid_of_its_own_else_a_refusal(bench, monkeypat
 
 # --- uid mode ------------------------------------------------------------------------------------
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                                reason="uid mode needs root and setpriv")
+def uid_mode_unfit(bench, uid: int) -> str | None:
+    """Why uid mode cannot work in this place, else None: the harness is not root, or `uid`
+    cannot import torch with this interpreter (a clone under a 0700 directory such as /root or
+    `mktemp -d`: the interpreter starts, but finds none of the clone's .venv). Asked the way the
+    harness asks, with the sandbox's own boot run as that uid."""
+    why = bench.run.uid_mode_problem()
+    if why:
+        return why
+    import tempfile
+    where = Path(tempfile.mkdtemp(prefix="autolab-uid-fitness-"))
+    try:
+        os.chmod(where, 0o755)
+        (where / "train.py").write_text("")
+        r, w = bench.sandbox.fitness_pipe()
+        try:
+            subprocess.run(bench.run._as_uid(uid, bench.sandbox.boot_argv(sys.executable, w, False,
+                                                                           ("numpy", "torch"))),
+                           cwd=where, pass_fds=(w,), capture_output=True, timeout=120,
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        finally:
+            os.close(w)
+        report = bench.sandbox.read_fitness(r)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    return None if report and report.get("fit") else bench.sandbox.unfit_reason(report, f"uid {uid}")
+
+
+def refused_here(lab, result: dict) -> bool:
+    """Where uid mode cannot work (lab.unfit says why), a uid-mode run must be refused up front:
+    an error, not a verdict on the candidate, that says what is wrong and the fix. True when it
+    was (the test has checked all it can here); False where uid mode works."""
+    if lab.unfit is None:
+        return False
+    assert (result["status"], result["reason_code"]) == ("error", "SandboxUnavailable"), result
+    assert lab.unfit_words in result["reason"], (lab.unfit, result["reason"])
+    assert result.get("metrics") is None
+    return True
 
 
 @pytest.fixture(scope="module")
 def uid_lab(bench, tmp_path_factory):
-    """A harness and a data cache only root can read, and a uid no process has."""
+    """A harness and a data cache only root can read, and a uid no process has; `unfit`: why uid
+    mode cannot work here (not root, or a Python installation the uid cannot read), else None."""
     root = tmp_path_factory.mktemp("uid-lab")
     assert any(stat.S_IMODE(p.stat().st_mode) & 0o001 == 0 for p in (root, *root.parents)), \
         f"{root} is reachable by other users"
@@ -265,7 +301,10 @@ def uid_lab(bench, tmp_path_factory):
     done = run_py(harness, cache, "--phase", "stage", "--source", "synthetic",
                   "--train-data", root / "unused")
     assert done.returncode == 0, done.stdout + done.stderr
-    return types.SimpleNamespace(harness=harness, cache=cache, uid=uid, root=root)
+    unfit = uid_mode_unfit(bench, uid)
+    words = None if unfit is None else ("cannot import what the benchmark needs" if bench.run.uid_mode_problem() is None
+                                        else bench.run.uid_mode_problem())
+    return types.SimpleNamespace(harness=harness, cache=cache, uid=uid, root=root, unfit=unfit, unfit_words=words)
 
 
 def run_as_uid(bench, lab, tmp_path: Path, candidate: Path, **kw) -> tuple[dict, str]:
@@ -277,6 +316,7 @@ def run_as_uid(bench, lab, tmp_path: Path, candidate: Path, **kw) -> tuple[dict,
                   AUTOLAB_SANDBOX_UID=str(lab.uid), AUTOLAB_EARLY_EVALUATOR="1")
     result = json.loads((tmp_path / "r.json").read_text())
     assert not bench.run.uid_processes(lab.uid)  # nothing of the candidate is left
+    assert done.returncode == bench.run.EXIT_CODES[result["status"]]
     return result, done.stdout
 
 
@@ -287,15 +327,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-@needs_root
 def test_uid_mode_runs_the_candidate_as_its_own_uid_and_measures_it(bench, uid_lab, tmp_path):
     result, out = run_as_uid(bench, uid_lab, tmp_path, TRAIN)
+    if refused_here(uid_lab, result):
+        return
     assert result["status"] == "succeeded", result["reason"]
     assert result["sandbox"] == "uid" and f"as uid {uid_lab.uid}" in out
     assert 0 < result["metrics"]["val_bpb"] < 10
 
 
-@needs_root
 def test_uid_mode_kills_a_setsid_child_and_a_daemon_left_behind(bench, uid_lab, tmp_path):
     candidate = write(tmp_path / "candidate" / "train.py", (
         "import os, subprocess, sys, time\n"
@@ -312,6 +352,9 @@ def test_uid_mode_kills_a_setsid_child_and_a_daemon_left_behind(bench, uid_lab, 
         "time.sleep(0.5)\n"
     ))
     result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
+    if refused_here(uid_lab, result):
+        assert "CHILD" not in out
+        return
     pids = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
             if line.startswith(("CHILD ", "DAEMON "))}
     assert set(pids) == {"CHILD", "DAEMON"}, out
@@ -320,7 +363,6 @@ def test_uid_mode_kills_a_setsid_child_and_a_daemon_left_behind(bench, uid_lab, 
     assert result["reason_code"] == "NoTraining"  # it never trained; nothing of it outlived it
 
 
-@needs_root
 def test_uid_mode_candidate_reads_nothing_of_root_and_has_no_privileges(bench, uid_lab, tmp_path):
     secret = Path("/tmp") / f"autolab-test-secret-{os.getpid()}"  # a directory every uid can search
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -350,6 +392,8 @@ def test_uid_mode_candidate_reads_nothing_of_root_and_has_no_privileges(bench, u
         result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
     finally:
         secret.unlink()
+    if refused_here(uid_lab, result):
+        return
     [line] = [line for line in out.splitlines() if line.startswith("PROBE ")]
     probe = json.loads(line[len("PROBE "):])
     assert probe["read"] == [], probe
@@ -359,7 +403,6 @@ def test_uid_mode_candidate_reads_nothing_of_root_and_has_no_privileges(bench, u
     assert result["status"] == "failed"
 
 
-@needs_root
 def test_uid_mode_candidate_finds_the_waiting_evaluator_and_can_use_nothing_of_it(bench, uid_lab, tmp_path):
     """The evaluator waits beside the candidate (as on a GPU machine), and uid mode shares /proc:
     its command line names the data, the verdict file and its pid. The candidate tries them all:
@@ -392,6 +435,9 @@ def test_uid_mode_candidate_finds_the_waiting_evaluator_and_can_use_nothing_of_i
     )
     candidate = write(tmp_path / "candidate" / "train.py", hunt + TRAIN.read_text())
     result, out = run_as_uid(bench, uid_lab, tmp_path, candidate)
+    if refused_here(uid_lab, result):
+        assert "HUNT" not in out
+        return
     assert "the evaluator gets ready" in out
     [line] = [line for line in out.splitlines() if line.startswith("HUNT ")]
     tried = json.loads(line[len("HUNT "):])
@@ -402,19 +448,29 @@ def test_uid_mode_candidate_finds_the_waiting_evaluator_and_can_use_nothing_of_i
     assert result["status"] == "succeeded" and result["metrics"]["val_bpb"] > 0.1, result
 
 
-@needs_root
 def test_uid_mode_refuses_when_the_candidate_could_read_the_harness(bench, uid_lab, tmp_path):
-    if stat.S_IMODE(BENCH.stat().st_mode) & 0o005 != 0o005:
-        pytest.skip(f"{BENCH} is not readable by other users here")
-    ran = tmp_path / "ran"
-    candidate = write(tmp_path / "candidate" / "train.py", f"open({str(ran)!r}, 'w')\n")
-    done = run_py(BENCH, uid_lab.cache, "--candidate", candidate, "--result", tmp_path / "r.json",
-                  "--source", "synthetic", "--sandbox", "uid", "--termination-log", tmp_path / "t",
-                  AUTOLAB_SANDBOX_UID=str(uid_lab.uid))
+    import tempfile
+    # A copy of the harness every user can read, wherever this clone is (a 0700 parent or not).
+    readable = Path(tempfile.mkdtemp(prefix="autolab-readable-harness-"))
+    try:
+        os.chmod(readable, 0o755)
+        for name in HARNESS_FILES:
+            shutil.copyfile(BENCH / name, readable / name)
+            os.chmod(readable / name, 0o644)
+        ran = tmp_path / "ran"
+        candidate = write(tmp_path / "candidate" / "train.py", f"open({str(ran)!r}, 'w')\n")
+        done = run_py(readable, uid_lab.cache, "--candidate", candidate, "--result", tmp_path / "r.json",
+                      "--source", "synthetic", "--sandbox", "uid", "--termination-log", tmp_path / "t",
+                      AUTOLAB_SANDBOX_UID=str(uid_lab.uid))
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
     result = json.loads((tmp_path / "r.json").read_text())
     assert done.returncode == 4 and result["reason_code"] == "SandboxUnavailable"
-    assert f"uid {uid_lab.uid} could read {BENCH}" in result["reason"]
     assert not ran.exists()
+    if bench.run.uid_mode_problem():  # not root: uid mode is refused before anything is probed
+        assert refused_here(uid_lab, result)
+        return
+    assert f"uid {uid_lab.uid} could read {readable}" in result["reason"]
 
 
 # --- the syscall filter: no network, no ptrace, whatever the sandbox -----------------------------
@@ -483,8 +539,6 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
     uid could read it, count its runs by it and know which of its confirm runs it is."""
     if sandbox == "bwrap" and bench.sandbox.available():
         pytest.skip(bench.sandbox.available())
-    if sandbox == "uid" and (os.geteuid() != 0 or not shutil.which("setpriv")):
-        pytest.skip("uid mode needs root and setpriv")
     import platform
     import socket
     # the kernel's numbers (asm/unistd_64.h, asm-generic/unistd.h), not the harness's table
@@ -503,7 +557,10 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
         if sandbox == "uid":
             lab = request.getfixturevalue("uid_lab")
             candidate = write(tmp_path / "candidate" / "train.py", code)
-            _, out = run_as_uid(bench, lab, tmp_path, candidate)
+            result, out = run_as_uid(bench, lab, tmp_path, candidate)
+            if refused_here(lab, result):
+                assert "PROBE " not in out
+                return
         elif sandbox == "container":
             candidate = write(tmp_path / "candidate" / "train.py", code)
             out = run_py(BENCH, bench.cache, "--phase", "train", "--candidate", candidate,
@@ -531,7 +588,8 @@ def test_a_candidate_reaches_no_network_and_traces_nothing_in_any_sandbox(bench,
                      "ptrace_parent": "EPERM", "unix": "ok"}, probe
 
 
-@needs_root
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="drops CAP_SYS_PTRACE from root with setpriv: only root has it to drop")
 def test_a_container_mode_candidate_cannot_reach_into_its_harness(bench, staged, tmp_path):
     """In a Kubernetes train container the candidate has its harness's uid, and the harness has
     the Pod's network: its memory, environment and file descriptors would be a way around the

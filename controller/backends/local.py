@@ -26,6 +26,16 @@ Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
 train.py>`, so that it starts with a copy of the compile cache the first run of
 that program kept (bench/run.py says why only that program's is kept).
 
+A run started up ahead of its turn (`start_next`, `.autolab/runs/.next-<slot>/`)
+waits at its gate for a submit that only a living controller makes, so unlike
+a submitted run it must not outlive its controller. It gets the read end of a
+pipe whose write end only this backend holds (`--gate-owner-fd`): when the
+controller is gone, however it went (kill -9, an OOM kill, a crash, a library
+user that never called `close()`), the pipe reads end of file and the harness
+gives up while its gate is still closed. `launch.json` names the controller
+(`owner`: pid and start time); the next controller reaps what is left
+(`reap_stale`) and says what it reaped.
+
 Slots are GPUs: one run per visible GPU with `CUDA_VISIBLE_DEVICES` set to
 its id, or one CPU slot on a machine without GPUs. `AUTOLAB_GPUS=0,1` names
 the ids by hand (tests use it to stand in for GPUs).
@@ -42,6 +52,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
@@ -112,6 +123,11 @@ def _stop(launch: dict) -> None:
     _reap(pid)
 
 
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -140,6 +156,44 @@ class LocalBackend:
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
         self._start: tuple[str | None] | None = None  # (sha1 of the starting program,), once known
+        self._owner: weakref.finalize | None = None  # closes the pipe runs started ahead watch
+
+    def close(self) -> None:
+        """Stop the runs started ahead by this backend and drop the pipe they watch. Submitted runs
+        go on (the next controller adopts them)."""
+        self.stop_next()
+        if self._owner is not None:
+            self._owner()  # closes both ends
+            self._owner = None
+
+    def reap_stale(self) -> list[str]:
+        """Stop and remove the runs started ahead by a controller that is gone (one per line, for a
+        person: which run, which slot, what was done). Each gives up by itself once its controller is
+        gone; this also clears the directories they leave, and any run a harness without
+        --gate-owner-fd started."""
+        me = {"pid": os.getpid(), "start": _start_ticks(os.getpid())}
+        reaped = []
+        for d in sorted(self.runs.glob(".next-*")) if self.runs.is_dir() else []:
+            launch = _read_json(d / "launch.json")
+            owner = launch.get("owner") if isinstance(launch.get("owner"), dict) else {}
+            if owner == me or (owner.get("pid") and _start_ticks(owner["pid"]) == owner.get("start")):
+                continue  # its controller lives (this one, or another loop on the lab)
+            alive = bool(launch.get("start")) and _start_ticks(launch["pid"]) == launch["start"]
+            if alive:
+                _stop(launch)
+            shutil.rmtree(d, ignore_errors=True)
+            slot = d.name[len(".next-"):]
+            reaped.append(f"{launch.get('run') or d.name} on slot {slot} (pid {launch.get('pid')}): "
+                          + ("stopped" if alive else "it had given up by itself"))
+        return reaped
+
+    def _owner_fd(self) -> int:
+        """The read end of the pipe runs started ahead watch (see the module docstring)."""
+        if self._owner is None or not self._owner.alive:
+            r, w = os.pipe()  # neither end inherited unless passed: submitted runs never hold it
+            # A backend dropped without close() closes it when collected: its runs give up then.
+            self._owner = weakref.finalize(self, _close_fds, r, w)
+        return self._owner.peek()[2][0]
 
     def run_dir(self, run: str) -> Path:
         return self.runs / run
@@ -153,14 +207,21 @@ class LocalBackend:
         return pinned_harness(self.root)
 
     def sandbox_problem(self) -> str | None:
-        """None if this machine can sandbox candidates (the pinned harness asks bubblewrap)."""
+        """None if this machine can sandbox candidates (the pinned harness asks bubblewrap) and the
+        sandbox can import what the benchmark needs; else what is wrong, ending in the fix."""
         try:
             harness = self.harness()
         except HarnessError as e:
             return str(e)
         done = subprocess.run([sys.executable, "-I", str(harness / "sandbox.py")],
                               capture_output=True, text=True)
-        return None if done.returncode == 0 else (done.stdout.strip() or done.stderr.strip())
+        if done.returncode == 0:
+            return None
+        why = done.stdout.strip() or done.stderr.strip()
+        if done.returncode == 2:  # a sandbox, unfit to run the benchmark: no runs until it is fixed
+            return f"candidates cannot run in the sandbox here: {why}"
+        return (f"cannot isolate candidates on this machine: {why}. Install bubblewrap, or pass "
+                "--unsafe-no-sandbox for candidates you trust")
 
     def restore_bench(self) -> list[str]:
         """Put the lab's harness files (bench/prepare.py, ...) back as git has them; the ones that
@@ -286,8 +347,12 @@ class LocalBackend:
         if start:  # the one compile cache runs may start from: the lab's own starting program's
             cmd += ["--compile-cache-from", start]
         knows = (harness / "run.py").read_bytes()  # a lab's pinned harness may predate these
+        fds = [key_r]
         if b"--handover" in knows:
             cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
+        if ahead and b"--gate-owner-fd" in knows:
+            fds.append(self._owner_fd())
+            cmd += ["--gate-owner-fd", str(fds[-1])]
         if b"--handback" in knows:
             cmd += ["--handback", "handback"]
         if req.eval_limit and b"--eval-limit" in knows:
@@ -304,7 +369,7 @@ class LocalBackend:
         with open(d / "log.txt", "ab") as log:
             proc = subprocess.Popen(cmd, cwd=str(d), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    pass_fds=(key_r,))
+                                    pass_fds=tuple(fds))
         os.close(key_r)
         with os.fdopen(key_w, "wb") as f:
             f.write(key)
@@ -312,7 +377,8 @@ class LocalBackend:
             "pid": proc.pid, "start": _start_ticks(proc.pid), "slot": req.slot,
             "experiment": req.experiment, "startedAt": time.time(), "cmd": cmd,
             "candidateSha1": hashlib.sha1(code).hexdigest(), "sandbox": not unsafe,
-            "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run}) + "\n")
+            "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run,
+            "owner": {"pid": os.getpid(), "start": _start_ticks(os.getpid())} if ahead else None}) + "\n")
 
     def _starting_program(self, harness: Path) -> str | None:
         """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches

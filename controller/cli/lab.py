@@ -312,9 +312,13 @@ def interrupted_note(lab: LocalLab) -> str:
 
 
 def cmd_run(a) -> int:
-    lab = LocalLab(a.lab)
-    _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
-    return run_loop(lab, watch=a.watch, interval=a.interval)
+    with LocalLab(a.lab) as lab:
+        _sandbox_or_refuse(lab, a.unsafe_no_sandbox)
+        reaped = lab.reap_stale()
+        if reaped:
+            print(f"{autolab_command()} run: reaped {len(reaped)} run(s) started ahead by a controller "
+                  "that is gone: " + "; ".join(reaped), file=sys.stderr, flush=True)
+        return run_loop(lab, watch=a.watch, interval=a.interval)
 
 
 def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
@@ -326,8 +330,7 @@ def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
         return
     problem = lab.backends["local"].sandbox_problem()
     if problem:
-        raise CliError(f"cannot isolate candidates on this machine: {problem}. Install "
-                       "bubblewrap, or pass --unsafe-no-sandbox for candidates you trust")
+        raise CliError(problem)
 
 
 def cmd_noise(a) -> int:

@@ -439,6 +439,7 @@ class LabRepo:
 # -- the checks of many candidates at once ---------------------------------------------------------
 
 CHECK_WORKERS = max(1, min(8, os.cpu_count() or 1))  # processes checking candidates at once
+WORKER_PARENT_POLL_SECONDS = 1.0  # how often a check worker looks whether its controller is still there
 _WORKER_REPOS: dict[str, LabRepo] = {}  # in a worker: the labs it checked last, newest last
 _WORKER_REPOS_MAX = 8
 
@@ -592,7 +593,17 @@ def _close_all(pipes: tuple[_GitPipe, ...]) -> None:
 
 def _worker_ready(ready: Any) -> None:
     """A check pool worker's first act. Unpickling this function imported this module, and
-    with it everything a check runs; the worker says so."""
+    with it everything a check runs; the worker says so. It also starts watching its parent:
+    a worker whose controller was killed (kill -9 skips every shutdown) would otherwise wait
+    on its queue for ever, with the git processes of its labs."""
+    parent = os.getppid()
+
+    def orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(WORKER_PARENT_POLL_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True, name="parent-watch").start()
     ready.release()
 
 
