@@ -93,7 +93,8 @@ def test_a_real_gain_is_promoted_on_paired_runs_and_its_runs_become_the_masters(
     capsys.readouterr()  # what the loop printed so far
     assert main(["describe", "--lab", str(lab.root), "lr-03"]) == 0
     shown = capsys.readouterr().out
-    assert "Pairs:" in shown and f"  {n}: " in shown and "(95 % interval)" in shown
+    assert f"Pairs:        against master {seed_master[:12]}" in shown
+    assert f"  {n}: " in shown and "(95 % interval)" in shown
     assert "stopped: a real gain" in shown and "test 1 against its master, level 0.015" in shown
     assert main(["get", "--lab", str(lab.root), "-o", "wide"]) == 0
     table = capsys.readouterr().out.splitlines()

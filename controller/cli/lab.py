@@ -520,7 +520,9 @@ def describe_pairs(st: dict) -> list[str]:
     p = st.get("pairs")
     if not isinstance(p, dict):
         return []
-    out = ["Pairs:        (place: candidate - master = gain; positive is better)"]
+    against = (st.get("parentHash") or "")[:12]
+    out = [f"Pairs:        against master {against}, its values at the lab's places; the spread "
+           "is these pairs' own (place: candidate - master = gain; positive is better)"]
     for i, (c, m) in enumerate(zip(p.get("candidate") or [], p.get("master") or []), 1):
         out.append(f"  {i}: {c:.6f} - {m:.6f} = {m - c:+.6f}")
     step = p.get("verdict") or p.get("estimate")
