@@ -599,25 +599,14 @@ def _judge(s: _Step) -> Decision:
     p = st["pairs"]
     n = len(p["candidate"])
     if len(p["master"]) > n:  # the master went first at this place: the candidate's run next
-        if _moved(w, st) and w.promotion is None:
-            return _master_moved(s)
-        msg = f"Pair {len(p['master'])}: the master ran first; the candidate's run comes next."
-        _next_run(s)
-        s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
-        s.phase(CONFIRMING, Reason.PAIRS, msg)
-        return s.decision()
+        return _one_more_run(s, f"Pair {len(p['master'])}: the master ran first; the "
+                                "candidate's run comes next.")
     if len(p["master"]) < n:  # the master's value at this place comes next
-        if _moved(w, st) and w.promotion is None:
-            return _master_moved(s)
-        if w.master.hash == st.get("parentHash") and w.master.place(n) is not None:
-            p["master"].append(w.master.place(n))
-        else:
-            msg = (f"Pair {n}: the candidate measured {p['candidate'][-1]:.6f}; the master's "
-                   f"run at this place comes next.")
-            _next_run(s)
-            s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
-            s.phase(CONFIRMING, Reason.PAIRS, msg)
-            return s.decision()
+        if w.master.hash != st.get("parentHash") or w.master.place(n) is None:
+            return _one_more_run(s, f"Pair {n}: the candidate measured "
+                                    f"{p['candidate'][-1]:.6f}; the master's run at this place "
+                                    "comes next.")
+        p["master"].append(w.master.place(n))
     gains = [m - c for m, c in zip(p["master"], p["candidate"])]
     alpha = test_alpha(int(st.get("tries") or 1))
     step = one_pair(gains[0], w.lab.min_gain) if w.lab.one_pair_decides \
@@ -627,15 +616,20 @@ def _judge(s: _Step) -> Decision:
         else p["master"][0]
     p["estimate"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
     if step.decision == "continue":
-        if _moved(w, st) and w.promotion is None:
-            return _master_moved(s)
-        msg = f"{step.explain()}."
-        _next_run(s)
-        s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
-        s.phase(CONFIRMING, Reason.PAIRS, msg)
-        return s.decision()
+        return _one_more_run(s, f"{step.explain()}.")
     p["verdict"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
     return _decide(s)
+
+
+def _one_more_run(s: _Step, msg: str) -> Decision:
+    """The decision needs another run: unless the master moved meanwhile (then its pairs can
+    no longer promote it), the run that ended is done with, and the next may be submitted."""
+    if _moved(s.w, s.st) and s.w.promotion is None:
+        return _master_moved(s)
+    _next_run(s)
+    s.condition(Condition.CONFIRMING, True, Reason.PAIRS, msg)
+    s.phase(CONFIRMING, Reason.PAIRS, msg)
+    return s.decision()
 
 
 def _next_run(s: _Step) -> None:
