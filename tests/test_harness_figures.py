@@ -59,6 +59,18 @@ stats.update(mfu_percent=99.9, peak_vram_mb=1.0, depth=99, num_params_M=1e6, tot
 '''
 
 
+def stand_in_nvidia_smi(tmp: Path, monkeypatch) -> None:
+    """Put the stand-in `nvidia-smi` first on PATH (skip where NVML is, as the harness reads
+    that instead)."""
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("NVML is installed here: the harness would read it, not the stand-in nvidia-smi")
+    tools = tmp / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI.format(python=sys.executable))
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+
+
 def hostile_candidate(tmp: Path) -> Path:
     """train.py, trained honestly, that reports MFU 99.9 % and 1 MB of GPU memory."""
     src = TRAIN.read_text()
@@ -71,13 +83,7 @@ def hostile_candidate(tmp: Path) -> Path:
 
 def test_a_candidate_claiming_99_9_mfu_and_1_mb_gets_the_harness_figures_recorded(
         bench, tmp_path, monkeypatch):
-    if importlib.util.find_spec("pynvml") is not None:
-        pytest.skip("NVML is installed here: the harness would read it, not the stand-in nvidia-smi")
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI.format(python=sys.executable))
-    (tools / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    stand_in_nvidia_smi(tmp_path, monkeypatch)
     monkeypatch.setenv("AUTOLAB_EARLY_EVALUATOR", "1")  # the evaluator holds GPU memory meanwhile
     result = bench.run.run_candidate(hostile_candidate(tmp_path), tmp_path / "result.json",
                                      source="synthetic", budget=BUDGET, log_path=tmp_path / "run.log",
@@ -266,13 +272,7 @@ def test_a_hostile_candidates_claims_reach_no_record_unmarked(tmp_path, monkeypa
     from labkit import spec_from_edit
     from test_tracking import read_back
 
-    if importlib.util.find_spec("pynvml") is not None:
-        pytest.skip("NVML is installed here: the harness would read it, not the stand-in nvidia-smi")
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI.format(python=sys.executable))
-    (tools / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    stand_in_nvidia_smi(tmp_path, monkeypatch)
     monkeypatch.setenv("AUTOLAB_EARLY_EVALUATOR", "1")
     monkeypatch.delenv("AUTOLAB_TRACKING", raising=False)
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=3, min_delta=0)
