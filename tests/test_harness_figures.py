@@ -46,10 +46,10 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         continue
     if not comm.startswith("python"):
         continue
-    if any(a.endswith(b"train.py") for a in argv):
-        rows.append(f"{{pid}}, 777")
-    elif any(a.endswith(b"evaluate.py") for a in argv):
+    if any(a.endswith(b"evaluate.py") for a in argv):
         rows.append(f"{{pid}}, 5000")
+    elif any(b"train.py" in a for a in argv):  # train.py itself, or the sandbox's boot that runs it
+        rows.append(f"{{pid}}, 777")
 print("\\n".join(rows))
 """
 
