@@ -179,8 +179,10 @@ def test_an_honest_causal_model_scores_what_consecutive_windows_give(harness, tm
     model = honest(harness.vocab)
     result = evaluate(harness, export(harness, model, tmp_path))
     assert result["ok"] and result["reason_code"] == "Succeeded", result
-    assert set(result) == {"ok", "val_bpb", "num_params", "eval_seconds", "device", "reason_code",
-                           "causality_max_nats", "stage_seconds", "ready_seconds"}
+    assert set(result) == {"ok", "val_bpb", "num_params", "flops_per_token", "depth", "eval_seconds",
+                           "device", "device_name", "reason_code", "causality_max_nats", "stage_seconds",
+                           "ready_seconds"}
+    assert result["flops_per_token"] > 0 and result["device_name"] is None  # the CPU has no name
     assert result["causality_max_nats"] <= 1e-4  # honest rows are bit-equal in both passes
     assert result["num_params"] == sum(p.numel() for p in model.parameters())
     assert result["val_bpb"] == pytest.approx(consecutive_bpb(harness, model), rel=1e-6)
