@@ -682,17 +682,29 @@ def _decide(s: _Step) -> Decision:
         s.phase(SUCCEEDED, PROMOTED, msg)
         st["verdict"] = Reason.CONFIRMED
         return _settle_terminal(s)
-    reason = Reason.WITHIN_NOISE
+    reason = Reason.WITHIN_NOISE if _no_effect(v) else Reason.DID_NOT_BEAT_MASTER
     msg = f"{v['explain']}."
-    if "minDelta" in v["why"]:
-        reason = Reason.DID_NOT_BEAT_MASTER
     if w.promotion is not None and w.promotion.message:
         reason, msg = w.promotion.reason or Reason.DID_NOT_BEAT_MASTER, w.promotion.message
     s.condition(Condition.CONFIRMING, False, reason, v["explain"])
     s.condition(Condition.PROMOTED, False, reason, msg)
     s.phase(SUCCEEDED, REJECTED, msg)
-    st["verdict"] = reason
+    if reason == Reason.WITHIN_NOISE:  # the ledger's reason; a regression's stays "Rejected"
+        st["verdict"] = reason
     return _settle_terminal(s)
+
+
+def _no_effect(v: dict) -> bool:
+    """Whether a rejection says "no measurable effect" (WithinNoise: not a regression, the lab's
+    memory keeps it apart) rather than "worse" (DidNotBeatMaster): worse is a mean gain below
+    zero that its 95 % interval keeps below zero, or, with one pair (no spread yet), worse on
+    its first seed; a gain too small for minDelta is not "no effect" either."""
+    if "minDelta" in (v.get("why") or ""):
+        return False
+    gain, high = v.get("gain"), (v.get("interval") or [None, None])[1]
+    if gain is None or gain >= 0:
+        return True
+    return v.get("pairs", 1) > 1 and (high is None or high >= 0)
 
 
 def _master_moved(s: _Step) -> Decision:
