@@ -372,16 +372,6 @@ def next_run(name: str, st: dict, master: Master | None = None) -> dict:
     return {"name": f"{main}-p{q}", "program": "candidate", "place": q}
 
 
-def pair_run(run_id: str, name: str) -> bool:
-    """Whether `run_id`, a ledger row of experiment `name`, is one of its pair runs after the
-    first (`next_run` names them `exp-<name>-<attempt>-p<i>` and `-m<i>`)."""
-    prefix = f"exp-{name}-"
-    if not run_id.startswith(prefix):
-        return False
-    attempt, _, rest = run_id[len(prefix):].partition("-")
-    return attempt.isdigit() and rest[:1] in ("p", "m", "c") and rest[1:].isdigit()
-
-
 def _moved(w: World, st: dict) -> bool:
     parent = st.get("parentHash") or ""
     return bool(parent) and parent != w.master.hash and w.master.experiment != w.name
