@@ -284,12 +284,25 @@ def test_other_known_failures_read_as_one_line(tmp_path):
 
 def test_a_new_lab_judges_in_pairs_unless_told_otherwise(tmp_path, env):
     """`autolab init` writes `promotion.minDelta: auto`: candidates are judged on paired runs,
-    one pair at a time, and init says so. A number is written as given; anything else is
+    one pair at a time, and init says so, with the cap (3 on the tiny profile, a CPU smoke test;
+    10 otherwise; `--max-pairs` to choose). A number is written as given; anything else is
     refused with what to write instead."""
     made = autolab("init", str(tmp_path / "a"), "--profile", "tiny", "--data", "synthetic", env=env)
     assert made.returncode == 0, made.stderr
-    assert yaml.safe_load((tmp_path / "a" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": "auto"}
+    assert yaml.safe_load((tmp_path / "a" / "lab.yaml").read_text())["spec"]["promotion"] == \
+        {"minDelta": "auto", "maxPairs": 3}
+    assert "judged on its paired differences after each run (at most 3 pairs)" in made.stdout
+    made = autolab("init", str(tmp_path / "d"), "--data", "synthetic", env=env)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load((tmp_path / "d" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": "auto"}
     assert "judged on its paired differences after each run (at most 10 pairs)" in made.stdout
+    made = autolab("init", str(tmp_path / "e"), "--profile", "tiny", "--max-pairs", "6", env=env)
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load((tmp_path / "e" / "lab.yaml").read_text())["spec"]["promotion"]["maxPairs"] == 6
+    for bad in ("2", "51", "four"):
+        refused = autolab("init", str(tmp_path / "f"), "--max-pairs", bad, env=env)
+        assert refused.returncode == 2 and "a whole number from 3 (the first look) to 50" in refused.stderr
+        assert not (tmp_path / "f").exists()
     made = autolab("init", str(tmp_path / "b"), "--profile", "tiny", "--min-delta", "0", env=env)
     assert made.returncode == 0, made.stderr
     assert yaml.safe_load((tmp_path / "b" / "lab.yaml").read_text())["spec"]["promotion"] == {"minDelta": 0.0}

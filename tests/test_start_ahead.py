@@ -173,6 +173,19 @@ def _alive(pid: int) -> bool:
 GIVE_UP_BOUND = 15.0  # seconds from the controller's death to no process of its run started ahead
 
 
+def _submitted_runs_alive(runs: Path) -> list[int]:
+    """The process groups of the submitted runs still going (each harness leads its own session)."""
+    groups = []
+    for launch in runs.glob("[!.]*/launch.json"):
+        if (launch.parent / "result.json").exists():
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = json.loads(launch.read_text())["pid"]
+            if _alive(pid):
+                groups.append(os.getpgid(pid))
+    return groups
+
+
 def test_a_run_waiting_at_its_gate_gives_up_when_autolab_run_is_killed_and_the_next_run_reaps_it(tmp_path):
     """kill -9 of `autolab run` (an OOM kill, a crash) skips every cleanup. The run it started up
     ahead of its turn would wait at its gate for a submit nobody will make, holding a GPU's memory.
@@ -188,6 +201,7 @@ def test_a_run_waiting_at_its_gate_gives_up_when_autolab_run_is_killed_and_the_n
                AUTOLAB_UNSAFE_NO_SANDBOX="1")
     runs = lab.root / ".autolab" / "runs"
     ahead_dir = runs / ".next-0"
+    held: list[int] = []  # process groups stopped while the controller is killed
     with open(tmp_path / "first.log", "wb") as log:
         loop = subprocess.Popen(AUTOLAB + ["run", "--lab", str(lab.root), "--interval", "0.2", "--unsafe-no-sandbox"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -205,6 +219,12 @@ def test_a_run_waiting_at_its_gate_gives_up_when_autolab_run_is_killed_and_the_n
                 candidate = kids[0] if kids else None
             time.sleep(0.05)
         assert candidate is not None, "no run was started ahead"
+        # The gate opens when the run being evaluated has its verdict. On a quiet machine a tiny
+        # evaluation ends within seconds, so that run is held (SIGSTOP) while the one started ahead
+        # imports and reaches its gate, and the controller is killed; it goes on afterwards.
+        held[:] = _submitted_runs_alive(runs)
+        for pgid in held:
+            os.killpg(pgid, signal.SIGSTOP)
         time.sleep(4.0)  # the candidate imports and reaches its gate (its first batch waits there)
         assert (ahead_dir / "gate").exists() and _alive(candidate)
         loop.send_signal(signal.SIGKILL)
@@ -214,6 +234,9 @@ def test_a_run_waiting_at_its_gate_gives_up_when_autolab_run_is_killed_and_the_n
             time.sleep(0.1)
         gone_after = time.time() - killed_at
     finally:
+        for pgid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
         if loop.poll() is None:
             loop.kill()
             loop.wait()

@@ -208,12 +208,14 @@ class LocalBackend:
 
     def sandbox_problem(self) -> str | None:
         """None if this machine can sandbox candidates (the pinned harness asks bubblewrap) and the
-        sandbox can import what the benchmark needs; else what is wrong, ending in the fix."""
+        sandbox's uid can find and read what the benchmark imports (`sandbox.py --quick`: no torch
+        import; each run's boot imports it before its candidate); else what is wrong, ending in
+        the fix."""
         try:
             harness = self.harness()
         except HarnessError as e:
             return str(e)
-        done = subprocess.run([sys.executable, "-I", str(harness / "sandbox.py")],
+        done = subprocess.run([sys.executable, "-I", str(harness / "sandbox.py"), "--quick"],
                               capture_output=True, text=True)
         if done.returncode == 0:
             return None

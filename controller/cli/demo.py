@@ -67,13 +67,15 @@ WARMDOWN_LINE = "WARMDOWN_RATIO = 0.5"
 
 
 def run_demo(keep: bool = False, directory: str | None = None) -> int:
-    from controller.cli.lab import cmd_get, cmd_ledger, cmd_master, init_lab, run_loop
+    from controller.cli.lab import (cmd_get, cmd_ledger, cmd_master, default_max_pairs, init_lab,
+                                    run_loop)
 
     started = time.time()
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="autolab-demo-"))
     root = base / "lab"
     print(f"== autolab demo: a tiny lab in {root} (CPU, synthetic data)", flush=True)
-    lab = init_lab(root, profile="tiny", data="synthetic")
+    lab = init_lab(root, profile="tiny", data="synthetic",
+                   max_pairs=default_max_pairs("tiny", None))
     # Tiny runs last seconds, so their val_bpb is noisy; the demo starts from a master with a
     # tiny lm_head learning rate a hundred times too low, so that its "improvement" improves
     # on any machine.

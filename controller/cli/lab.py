@@ -23,22 +23,37 @@ from controller.cli.output import (CliError, activate_hint, autolab_command, gai
                                    number, one_line, print_table, printable, table_rows)
 
 
+# `autolab init --profile tiny` (and the demo) write `promotion.maxPairs: 3`: the tiny profile is a
+# CPU smoke test whose 4-s runs spread with the machine's load, so a decision that went to the
+# default cap of 10 pairs would keep a first `autolab run` busy for minutes and resolve nothing a
+# GPU lab would trust. Three pairs still need a significant paired t to promote.
+SMOKE_MAX_PAIRS = {"tiny": 3}
+
+
+def default_max_pairs(profile: str, min_delta: float | str | None) -> int | None:
+    """The `promotion.maxPairs` a new lab of `profile` is written with (None: the default cap);
+    a numeric minDelta lets one pair decide, and keeps it so."""
+    return SMOKE_MAX_PAIRS.get(profile) if min_delta in (None, "auto") else None
+
+
 def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
-             budget: int | None = None, min_delta: float | str | None = None) -> LocalLab:
+             budget: int | None = None, min_delta: float | str | None = None,
+             max_pairs: int | None = None) -> LocalLab:
     """`autolab init`: make the lab directory, then open it."""
     return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget,
-                             min_delta=min_delta))
+                             min_delta=min_delta, max_pairs=max_pairs))
 
 
 def cmd_init(a) -> int:
     if a.keep_metric and not a.seed:
         raise CliError("--keep-metric needs --from SEED_DIR (it reads the seed's master record)")
+    max_pairs = a.max_pairs if a.max_pairs is not None else default_max_pairs(a.profile, a.min_delta)
     if a.seed:
         from controller.lab.seed import import_seed
 
         root, found = import_seed(Path(a.dir), Path(a.seed), profile=a.profile, data=a.data,
                                   name=a.name, budget=a.budget, keep_metric=a.keep_metric,
-                                  min_delta=a.min_delta)
+                                  min_delta=a.min_delta, max_pairs=max_pairs)
         lab = LocalLab(root)
         print(f"imported the seed lab {found.source}: train.py is the master, "
               f"{len(found.rows)} ledger rows kept (reason Imported), {len(found.prose)} "
@@ -52,7 +67,7 @@ def cmd_init(a) -> int:
                                            "measured again by the first `autolab run`"))
     else:
         lab = init_lab(Path(a.dir), profile=a.profile, data=a.data, name=a.name,
-                       budget=a.budget, min_delta=a.min_delta)
+                       budget=a.budget, min_delta=a.min_delta, max_pairs=max_pairs)
     m = lab.repo.master()
     print(f"lab {lab.name} initialised in {lab.root}")
     print(f"master {m.hash[:12]} (commit {m.commit[:10]}); profile {a.profile}, data {a.data}")

@@ -16,6 +16,7 @@ import sys
 from filelock import Timeout as LockTimeout
 
 from controller.backends import BackendConfigError
+from controller.core.noise import FIRST_LOOK
 from controller.lab.harness import HarnessError
 from controller.cli import authoring, completion, demo, hf, lab, operator
 from controller.cli.output import REPO_ROOT, CliError, one_line
@@ -34,6 +35,18 @@ def _version() -> str:
         return version("autolab-research")  # the distribution's name (pyproject.toml)
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
+
+
+def _max_pairs_arg(text: str) -> int:
+    """`--max-pairs`: an integer in the schema's range for promotion.maxPairs."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not FIRST_LOOK <= value <= 50:
+        raise argparse.ArgumentTypeError(f"{text!r}: the most pairs one decision may take is a whole "
+                                         f"number from {FIRST_LOOK} (the first look) to 50")
+    return value
 
 
 def _min_delta_arg(text: str) -> float | str:
@@ -77,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="promotion.minDelta: auto (the default) promotes any gain the paired, "
                          "sequential test shows real; a number lets one pair decide: the first "
                          "run must beat the master's run on the same seed by more than it")
+    sp.add_argument("--max-pairs", type=_max_pairs_arg, default=None, metavar="N",
+                    help="promotion.maxPairs: the most pairs one decision may take (default 10; "
+                         "3 for the tiny profile, a CPU smoke test)")
     sp.add_argument("--keep-metric", action="store_true",
                     help="with --from: take the master's val_bpb from SEED_DIR/research/live/"
                          "master.json instead of measuring it again")

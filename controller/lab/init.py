@@ -38,9 +38,11 @@ def bench_source_dir() -> Path:
 
 
 def make_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
-             budget: int | None = None, min_delta: float | str | None = None) -> Path:
-    """Create a lab in `target` and return its resolved path. `min_delta`, if given, is written
-    as the lab's `promotion.minDelta` (`autolab init` writes "auto")."""
+             budget: int | None = None, min_delta: float | str | None = None,
+             max_pairs: int | None = None) -> Path:
+    """Create a lab in `target` and return its resolved path. `min_delta` and `max_pairs`, if
+    given, are written as the lab's `promotion.minDelta` (`autolab init` writes "auto") and
+    `promotion.maxPairs`."""
     target = target.resolve()
     if (target / LAB_FILE).exists():
         raise LabInitError(f"{target} is already a lab ({LAB_FILE} exists)")
@@ -67,7 +69,9 @@ def make_lab(target: Path, profile: str = "default", data: str = "hub", name: st
     if budget:
         spec["budgetSeconds"] = budget
     if min_delta is not None:
-        spec["promotion"] = {"minDelta": min_delta}
+        spec.setdefault("promotion", {})["minDelta"] = min_delta
+    if max_pairs is not None:
+        spec.setdefault("promotion", {})["maxPairs"] = max_pairs
     lab_doc = {"apiVersion": API_VERSION, "kind": "Lab", "metadata": {"name": name},
                "spec": spec}
     (target / LAB_FILE).write_text(yaml.safe_dump(lab_doc, sort_keys=False))

@@ -177,10 +177,12 @@ def read_seed(seed: Path, keep_metric: bool = False) -> tuple[str, SeedImport]:
 
 def import_seed(target: Path, seed: Path, profile: str = "default", data: str = "hub",
                 name: str = "default", budget: int | None = None,
-                keep_metric: bool = False, min_delta: float | str | None = None) -> tuple[Path, SeedImport]:
+                keep_metric: bool = False, min_delta: float | str | None = None,
+                max_pairs: int | None = None) -> tuple[Path, SeedImport]:
     """Make a lab in `target` whose master is the seed's train.py, with its ledger and prose."""
     source, found = read_seed(seed.resolve(), keep_metric)
-    root = make_lab(target, profile=profile, data=data, name=name, budget=budget, min_delta=min_delta)
+    root = make_lab(target, profile=profile, data=data, name=name, budget=budget, min_delta=min_delta,
+                    max_pairs=max_pairs)
     paths = LabPaths.of(root)
     (paths.bench / "train.py").write_text(source, encoding="utf-8")
     for src, rel in found.prose:
