@@ -97,7 +97,7 @@ SIGNATURE_VERSION = "v1"
 CURVE_MARKER = "AUTOLAB_SIGNED_CURVE"
 CURVE_VERSION = "curve-v1"
 CURVE_POINTS_PER_LINE = 50   # a line stays a few KiB
-CURVE_MAX_POINTS = 5000      # the controller keeps no more (controller/backends/hf.py)
+CURVE_MAX_POINTS = 5000      # the controller keeps no more (controller/backends/hf_wire.py)
 CURVE_FILE_LIMIT = 2**20     # run.py keeps at most this much of the candidate's curve
 CURVE_KEYS = ("step", "loss", "tokens_per_sec", "time")
 # Never handed to the candidate, the installer or the harness of a run.
@@ -108,7 +108,7 @@ PR_SET_DUMPABLE = 4
 SANDBOX_REQUEST = "isolated"  # run.py: bubblewrap, else (as root) a uid of its own, else refuse
 
 
-# --- the signed result line (the controller verifies it: controller/backends/hf.py) ----------
+# --- the signed result line (the controller verifies it: controller/backends/hf_wire.py) -----
 
 def sign_result(key: bytes, run: str, compact_result: str) -> str:
     """The one log line the controller believes: run name + result, HMAC-SHA256 under key."""

@@ -367,7 +367,7 @@ def test_an_hf_run_brings_its_step_curve_back_where_trackio_reads_it(server, tmp
 
 def test_the_controller_keeps_only_checked_numbers_of_a_curve_however_it_was_signed(tmp_path):
     """Even signed, a curve is informational: every number is checked, its size is bounded."""
-    from controller.backends.hf import MAX_CURVE_POINTS, verify_signed_curve
+    from controller.backends.hf_wire import MAX_CURVE_POINTS, verify_signed_curve
     from hf_server import _entry_module
     entry, key = _entry_module(), b"k" * 64
     bad = [{"step": 1, "loss": float("nan")}, {"step": True, "loss": 1.0},
@@ -530,7 +530,7 @@ def test_a_bundle_longer_than_one_environment_variable_travels_in_several_and_un
     import subprocess
     import sys
 
-    from controller.backends.hf import BOOTSTRAP, BUNDLE_PART, bundle_env, make_bundle
+    from controller.backends.hf_wire import BOOTSTRAP, BUNDLE_PART, bundle_env, make_bundle
 
     big = os.urandom(100_000).hex().encode()  # ~100 KiB once packed: more than one part
     entry = (b"import pathlib, sys\n"

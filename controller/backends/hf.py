@@ -6,6 +6,12 @@ infrastructure, created through `huggingface_hub`'s Jobs API (`run_job`,
 timeout and namespace the Lab's `spec.hf` names and an Experiment's
 `spec.hf` overrides.
 
+Three modules: this one is the run logic (`HfBackend`: submit, observe, cancel
+and adopt a run, its records on this machine, the budget of API calls);
+`hf_wire` is what travels to and from a job (the bundle, BOOTSTRAP, the signed
+lines and their verification); `hf_api` is the Jobs API as seen from here (its
+refusals and rate limits in words, the token from a Secret, the log reader).
+
 What the job gets. The job has no copy of the lab, so the files travel in
 the job spec: the lab's harness (`bench/*.py` next to `prepare.py`, the
 surface replaced by the candidate) and `bench/hf_entry.py` from this
@@ -65,24 +71,15 @@ must not hold credentials. Only the prepare job gets it, as a secret.
 
 from __future__ import annotations
 
-import base64
-import email.utils
 import hashlib
-import hmac
-import io
 import json
-import lzma
-import math
 import os
-import re
 import secrets
-import tarfile
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 import httpx2
 import yaml
@@ -90,13 +87,21 @@ from huggingface_hub import HfApi, Volume
 from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError
 from huggingface_hub.utils import get_token
 
-from controller.backends import BackendConfigError, RunRequest
+from controller.backends import RunRequest
+from controller.backends.hf_api import (HfBackendError, LogReader, RateLimited, refusal_message,
+                                        retry_after, server_message, status_code,
+                                        token_from_secret)
+from controller.backends.hf_wire import (BOOTSTRAP, BUNDLE_LIMIT, BundleTooLarge, bundle_env,
+                                         make_bundle, verify_signed_curve, verify_signed_result)
 from controller.lab.harness import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
-from controller.core.spec import LabSpec, SpecError
+from controller.core.spec import LabSpec
 from controller.lab.clock import iso
 from controller.lab.repo import atomic_write
 from controller.lab.paths import LabPaths
+
+__all__ = ["HfBackend", "HfBackendError", "HfSettings", "token_from_secret", "refusal_message",
+           "timeout_seconds"]  # the last three for the CLI and the operator, from one place
 
 SYNTHETIC_SEED_ENV = "AUTOLAB_SYNTHETIC_SEED"  # bench/prepare.py reads it (a job secret, never the candidate's)
 
@@ -109,10 +114,7 @@ DEFAULT_TIMEOUT = "30m"
 PREPARE_FLAVOR = "cpu-upgrade"
 PREPARE_TIMEOUT = "2h"
 DATA_MOUNT = "/autolab-data"
-BUNDLE_ENV = "AUTOLAB_BUNDLE"
 KEY_SECRET = "AUTOLAB_RESULT_KEY"
-BUNDLE_PART = 96 * 1024    # characters of base64 in one environment variable
-BUNDLE_LIMIT = 4 * BUNDLE_PART  # in all: the harness is ~80 KiB of it, the candidate the rest
 RUN_REQUIREMENTS = ("torch>=2.4", "numpy>=1.26", "pyarrow>=14", "tokenizers>=0.19",
                     "huggingface_hub>=0.30")
 PREPARE_REQUIREMENTS = tuple(r for r in RUN_REQUIREMENTS if not r.startswith("torch"))
@@ -124,49 +126,20 @@ LABEL_EXPERIMENT = "autolab-experiment"
 LABEL_CAMPAIGN = "autolab-campaign"
 LABEL_ROLE = "autolab-role"
 
-SIGNED_LINE = re.compile(r"AUTOLAB_SIGNED_RESULT (v1) ([A-Za-z0-9_=-]+) ([0-9a-f]{64})")
-CURVE_LINE = re.compile(r"AUTOLAB_SIGNED_CURVE (curve-v1) ([A-Za-z0-9_=-]+) ([0-9a-f]{64})")
-RESULT_MARKER, CURVE_MARKER = "AUTOLAB_SIGNED_RESULT", "AUTOLAB_SIGNED_CURVE"
 RESULT_STATES = {"succeeded": "succeeded", "failed": "failed", "error": "error"}
 ACTIVE_STAGES = ("SCHEDULING", "RUNNING")
 
 # What one read of a job's log keeps, whatever the candidate prints into it.
-MAX_LOG_LINES = 20_000        # the end of the log, for log.txt
-MAX_LINE_CHARS = 4096         # a longer line is cut in log.txt
-MAX_MARKED_CHARS = 64 * 1024  # a longer line is no signed line of ours
-MAX_RESULT_LINES = 64         # the last lines with the result marker (ours is the last)
-MAX_CURVE_LINES = 256         # the last lines with the curve marker (ours: at most 100)
-MAX_CURVE_POINTS = 5000       # bench/hf_entry.py CURVE_MAX_POINTS
-CURVE_KEYS = ("loss", "tokens_per_sec", "time")
-MAX_CURVE_STEP = 10**12
 
 # The API budget (see "Watching a job" above).
 POLL_MIN_SECONDS = 2.0    # the first inspection after a change of stage
 POLL_MAX_SECONDS = 60.0   # the interval doubles up to this while nothing changes
 RATE_LIMIT_SECONDS = 30.0  # the wait after a 429 without a usable Retry-After
-RETRY_AFTER_MAX = 3600.0
 LOG_STALL_SECONDS = 30.0  # a log read with no line for this long is stalled
 LOG_RETRY_SECONDS = 5.0   # between two reads of one job's log
 LOG_READS = 3             # reads of an ended job's log before it has no result
 
 RUN_ENV = "AUTOLAB_RUN"  # the run's name, as bench/hf_entry.py reads it
-
-# Unpack the bundle into a fresh directory and exec the entry point there. Runs as
-# `python3 -c BOOTSTRAP ARGS...`, so sys.argv[1:] are the entry point's arguments.
-BOOTSTRAP = (
-    "import base64,io,os,sys,tarfile,tempfile\n"
-    "d=tempfile.mkdtemp(prefix='autolab-job-')\n"
-    f"b=os.environ.pop('{BUNDLE_ENV}');i=1\n"
-    f"while '{BUNDLE_ENV}_%d'%i in os.environ:b+=os.environ.pop('{BUNDLE_ENV}_%d'%i);i+=1\n"
-    "t=tarfile.open(fileobj=io.BytesIO(base64.b64decode(b)),mode='r:xz')\n"
-    "t.extractall(d,**({'filter':'data'} if hasattr(tarfile,'data_filter') else {}))\n"
-    "e=os.path.join(d,'bench','hf_entry.py')\n"
-    "os.execv(sys.executable,[sys.executable,e]+sys.argv[1:])\n"
-)
-
-
-class HfBackendError(SpecError, BackendConfigError):
-    """The lab's Hugging Face settings cannot work; the message says what to set."""
 
 
 @dataclass(frozen=True)
@@ -197,155 +170,6 @@ def timeout_seconds(timeout: str) -> int:
     return int(float(t))
 
 
-def _signed_payloads(lines: Iterable[str], pattern: re.Pattern, key: bytes,
-                     run: str) -> Iterator[dict]:
-    """The JSON objects of the lines `pattern` finds whose HMAC verifies under `key` and that
-    name `run`, in order. `pattern`'s groups: version, base64 payload, hex MAC."""
-    for line in lines:
-        m = pattern.search(line)
-        if not m:
-            continue
-        version, b64, mac = m.groups()
-        want = hmac.new(key, f"{version} {b64}".encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, mac):
-            continue
-        try:
-            payload = json.loads(base64.urlsafe_b64decode(b64.encode()))
-        except ValueError:  # binascii.Error and JSONDecodeError are ValueErrors
-            continue
-        if isinstance(payload, dict) and payload.get("run") == run:
-            yield payload
-
-
-def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
-                         candidate_sha1: str | None = None) -> dict | None:
-    """The harness result of the last line signed with `key` for `run` (and, when given, for
-    the candidate with this sha1); None if no line is."""
-    found = None
-    for payload in _signed_payloads(lines, SIGNED_LINE, key, run):
-        if not isinstance(payload.get("result"), dict):
-            continue
-        result = payload["result"]
-        measured = result.get("candidate_sha1")
-        # A measurement of another program is not this run's, whoever signed it. (A harness
-        # that could not even read the candidate reports an error without a sha1.)
-        if candidate_sha1 and measured != candidate_sha1 \
-                and (measured is not None or result.get("status") == "succeeded"):
-            continue
-        found = result
-    return found
-
-
-def make_bundle(files: dict[str, bytes]) -> str:
-    """An xz-compressed tarball of `files` (archive path -> bytes), base64; the same bytes every
-    time. (xz: Python source packs ~15 % smaller than with gzip.)"""
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(files):
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(files[name]), 0o644, 0
-            tar.addfile(info, io.BytesIO(files[name]))
-    return base64.b64encode(lzma.compress(raw.getvalue(), preset=9)).decode()
-
-
-def bundle_env(bundle: str) -> dict[str, str]:
-    """The bundle in environment variables of at most BUNDLE_PART characters each, in the names
-    BOOTSTRAP joins: AUTOLAB_BUNDLE, AUTOLAB_BUNDLE_1, ..."""
-    parts = [bundle[i:i + BUNDLE_PART] for i in range(0, len(bundle), BUNDLE_PART)] or [""]
-    return {BUNDLE_ENV if i == 0 else f"{BUNDLE_ENV}_{i}": part for i, part in enumerate(parts)}
-
-
-def token_from_secret(name: str, namespace: str, core_api: Any = None) -> str:
-    """In a cluster: the token in key HF_TOKEN of the Secret the Lab names (spec.hf.tokenSecret)."""
-    if core_api is None:
-        from kubernetes import client
-        core_api = client.CoreV1Api()
-    secret = core_api.read_namespaced_secret(name, namespace)
-    data = (secret.data or {}).get("HF_TOKEN")
-    if not data:
-        raise HfBackendError(f"Secret {namespace}/{name} has no key HF_TOKEN; create it with "
-                             f"`kubectl -n {namespace} create secret generic {name} "
-                             "--from-literal=HF_TOKEN=hf_...`")
-    return base64.b64decode(data).decode().strip()
-
-
-class RateLimited(Exception):
-    """Hugging Face answered 429 (now or recently): no call before `seconds` have passed."""
-
-    def __init__(self, seconds: float):
-        super().__init__(seconds)
-        self.seconds = seconds
-
-    def message(self) -> str:
-        return (f"Hugging Face asked for fewer API calls (429); the next one in "
-                f"{self.seconds:.0f} s")
-
-
-def retry_after(response: Any, now: float) -> float | None:
-    """Seconds to wait from a 429's `Retry-After`, in seconds or as an HTTP date; None if absent
-    or unreadable. At most RETRY_AFTER_MAX (a wrong date must not stop the lab for days)."""
-    headers = getattr(response, "headers", None) or {}
-    value = str(headers.get("Retry-After") or headers.get("retry-after") or "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - now
-    if seconds != seconds:  # NaN
-        return None
-    return min(max(seconds, 0.0), RETRY_AFTER_MAX)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _curve_point(p: Any) -> dict | None:
-    """One point of a step curve, every number checked; None if it is not one."""
-    if not isinstance(p, dict) or not _is_int(p.get("step")) \
-            or not 0 <= p["step"] <= MAX_CURVE_STEP:
-        return None
-    point: dict[str, Any] = {"step": p["step"]}
-    for k in CURVE_KEYS:
-        v = p.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            point[k] = v
-    return point if len(point) > 1 else None
-
-
-def verify_signed_curve(lines: Iterable[str], key: bytes | None, run: str) -> list[dict]:
-    """The step curve of the verified curve lines for `run` (bench/hf_entry.py sign_curve):
-    its parts in order, every point checked, at most MAX_CURVE_POINTS. [] if none verifies."""
-    if not key:
-        return []
-    parts: dict[int, list] = {}
-    total = None
-    for payload in _signed_payloads(lines, CURVE_LINE, key, run):
-        part, n, points = payload.get("part"), payload.get("parts"), payload.get("points")
-        if not (_is_int(part) and _is_int(n) and 0 <= part < n <= MAX_CURVE_LINES
-                and isinstance(points, list)):
-            continue
-        if n != total:  # another curve (a second run of the harness?): the last one counts
-            parts, total = {}, n
-        parts[part] = points
-    curve: list[dict] = []
-    for i in sorted(parts):
-        for p in parts[i]:
-            point = _curve_point(p)
-            if point is not None:
-                curve.append(point)
-            if len(curve) >= MAX_CURVE_POINTS:
-                return curve
-    return curve
-
-
 @dataclass(frozen=True)
 class _Poll:
     stage: str       # the stage the last inspection saw
@@ -354,130 +178,12 @@ class _Poll:
     at: float        # when it was made
 
 
-class LogReader:
-    """One read of a job's log in a daemon thread of its own, so no read holds up the loop.
-
-    `fetch_job_logs` may block for minutes on a stream that says nothing (its read timeout
-    is 120 s when following, 5 s when not) and cannot be interrupted; here it blocks only
-    this thread. The reader keeps what the controller needs and no more, whatever the
-    candidate prints: the last MAX_LOG_LINES lines (each cut to MAX_LINE_CHARS) and the last
-    lines that carry one of our signed markers. Its times are the backend's clock.
-    """
-
-    def __init__(self, api: HfApi, job_id: str, namespace: str, *, follow: bool,
-                 clock: Callable[[], float], on_rate_limit: Callable[[Exception], float]):
-        self.api, self.job_id, self.namespace, self.follow = api, job_id, namespace, follow
-        self.clock, self.on_rate_limit = clock, on_rate_limit
-        self.tail: deque[str] = deque(maxlen=MAX_LOG_LINES)
-        self.results: deque[str] = deque(maxlen=MAX_RESULT_LINES)
-        self.curve: deque[str] = deque(maxlen=MAX_CURVE_LINES)
-        self.count = 0
-        self.started_at = clock()
-        self.last_line_at: float | None = None
-        self.result_at: float | None = None
-        self.ended_at: float | None = None
-        self.error: str | None = None
-        self.timed_out = False  # it ended after a long silence: the read timed out
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._read, daemon=True,
-                                        name=f"hf-log-{job_id[-8:]}")
-
-    def start(self) -> "LogReader":
-        self._thread.start()
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self.ended_at is None
-
-    def silent_for(self, now: float) -> float:
-        return now - (self.last_line_at if self.last_line_at is not None else self.started_at)
-
-    def snapshot(self) -> tuple[list[str], list[str], list[str]]:
-        with self._lock:
-            return list(self.tail), list(self.results), list(self.curve)
-
-    def trouble(self, now: float, stall_seconds: float) -> str | None:
-        """What went wrong with this read, in words; None if it ended normally."""
-        if self.alive and self.silent_for(now) >= stall_seconds:
-            return f"the log stream stalled: no line for {self.silent_for(now):.0f} s"
-        if self.error:
-            return f"reading it failed: {self.error}"
-        if self.timed_out:
-            return "the log stream went silent until the read timed out"
-        return None
-
-    def _read(self) -> None:
-        quiet = time.monotonic()
-        try:
-            for line in self.api.fetch_job_logs(job_id=self.job_id, namespace=self.namespace,
-                                                follow=self.follow):
-                quiet = time.monotonic()
-                self._take(line)
-        except HfHubHTTPError as e:
-            if _status_code(e) == 429:
-                self.on_rate_limit(e)
-            self.error = f"{_status_code(e)} {_server_message(e)}"
-        except Exception as e:  # noqa: BLE001 - whatever the stream does, the read ends
-            self.error = f"{type(e).__name__}: {e}"
-        finally:
-            # The client ends a silent no-follow read after 5 s (a followed one after 120 s).
-            self.timed_out = time.monotonic() - quiet >= (100.0 if self.follow else 4.5)
-            self.ended_at = self.clock()
-
-    def _take(self, line: str) -> None:
-        line = line.rstrip("\n")
-        now = self.clock()
-        with self._lock:
-            self.count += 1
-            self.last_line_at = now
-            if len(line) <= MAX_MARKED_CHARS:
-                if RESULT_MARKER in line:
-                    self.results.append(line)
-                    self.result_at = now
-                elif CURVE_MARKER in line:
-                    self.curve.append(line)
-            self.tail.append(line if len(line) <= MAX_LINE_CHARS
-                             else line[:MAX_LINE_CHARS] + " [line cut]")
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
-
-def _status_code(e: Exception) -> int | None:
-    response = getattr(e, "response", None)
-    return getattr(response, "status_code", None)
-
-
-def _server_message(e: Exception) -> str:
-    """What the server said (huggingface_hub keeps it as `server_message`), else the error's
-    last line."""
-    said = (getattr(e, "server_message", None) or "").strip()
-    if said:
-        return " ".join(said.split())
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__
-
-
-def refusal_message(e: Exception, what: str, namespace: str | None) -> str:
-    """A 401 or 403 from Hugging Face, told with the server's words and the fix."""
-    code, said = _status_code(e), _server_message(e)
-    if code == 401:
-        return (f"Hugging Face rejected the token when asked to {what} (401: {said}); log in "
-                "again with `hf auth login` or set HF_TOKEN to a valid token; `autolab hf "
-                "preflight` checks it")
-    where = f"namespace {namespace}" if namespace else "the jobs' namespace"
-    return (f"Hugging Face refused to {what} in {where} (403: {said}). The token may not run "
-            f"jobs there: use a token with write access to {namespace or 'it'} (a fine-grained "
-            "token needs the permission to start and manage Jobs for that user or "
-            "organisation, and for an organisation its user must be a member allowed to), log "
-            "in with it (`hf auth login`, or HF_TOKEN), or set spec.hf.namespace in lab.yaml "
-            "(or the Experiment's spec.hf.namespace) to a namespace the token may use, such as "
-            "its own user; `autolab hf preflight` checks it")
 
 
 class HfBackend:
@@ -696,10 +402,10 @@ class HfBackend:
         except RateLimited as e:
             return RunObservation(req.run, "queued", message=e.message())
         except HfHubHTTPError as e:
-            if _status_code(e) in (401, 403):
+            if status_code(e) in (401, 403):
                 raise self._auth_error(e, "list the jobs", namespace) from None
             return RunObservation(req.run, "queued", message=f"cannot reach Hugging Face Jobs "
-                                                             f"({_server_message(e)}); retrying")
+                                                             f"({server_message(e)}); retrying")
         except httpx2.HTTPError as e:
             return RunObservation(req.run, "queued", message=f"cannot reach Hugging Face Jobs "
                                                              f"({e}); retrying")
@@ -726,16 +432,16 @@ class HfBackend:
         except RateLimited as e:
             return RunObservation(req.run, "queued", message=e.message())
         except HfHubHTTPError as e:
-            code = _status_code(e)
+            code = status_code(e)
             if code in (401, 403):
                 self._write_record(req.run, {k: v for k, v in rec.items()
                                              if k != "submittingSince"})
                 raise self._auth_error(e, "create the job", namespace) from None
             if code is not None and 400 <= code < 500 and code != 429:
                 return self._conclude(req.run, "error", f"Hugging Face refused the job ({code}): "
-                                                        f"{_server_message(e)}", rec=rec)
+                                                        f"{server_message(e)}", rec=rec)
             return RunObservation(req.run, "queued", message=f"submitting to Hugging Face Jobs "
-                                                             f"failed ({_server_message(e)}); "
+                                                             f"failed ({server_message(e)}); "
                                                              "retrying")
         except httpx2.HTTPError as e:
             return RunObservation(req.run, "queued", message=f"submitting to Hugging Face Jobs "
@@ -788,10 +494,10 @@ class HfBackend:
             return self._conclude(run, "lost", f"job {rec.get('jobId')} no longer exists on "
                                                "Hugging Face", rec=rec)
         except HfHubHTTPError as e:
-            if _status_code(e) in (401, 403):
+            if status_code(e) in (401, 403):
                 raise self._auth_error(e, "show the job", rec.get("namespace")) from None
             return self._last_known(run, rec, f"cannot reach Hugging Face Jobs "
-                                              f"({_server_message(e)})")
+                                              f"({server_message(e)})")
         except httpx2.HTTPError as e:
             return self._last_known(run, rec, f"cannot reach Hugging Face Jobs ({e})")
         stage = str(getattr(job.status.stage, "value", job.status.stage))
@@ -838,7 +544,7 @@ class HfBackend:
         try:
             return fn()
         except HfHubHTTPError as e:
-            if _status_code(e) == 429:
+            if status_code(e) == 429:
                 raise RateLimited(self._rate_limited(e)) from None
             raise
 
@@ -999,7 +705,7 @@ class HfBackend:
         except RateLimited:
             return obs
         except HfHubHTTPError as e:
-            if _status_code(e) in (401, 403):
+            if status_code(e) in (401, 403):
                 raise self._auth_error(e, "cancel the job", rec.get("namespace")) from None
             return obs
         except httpx2.HTTPError:
@@ -1046,7 +752,3 @@ class HfBackend:
             labels=labels, namespace=namespace,
             volumes=[Volume(type="bucket", source=bucket, mount_path=DATA_MOUNT,
                             read_only=False)])
-
-
-class BundleTooLarge(ValueError):
-    pass
