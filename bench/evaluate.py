@@ -1,4 +1,7 @@
-"""The evaluator: measures val_bpb of an exported model that hostile code may have written.
+"""Kept as one file: a standalone harness file (`python -I evaluate.py`) that trusts only itself
+and prepare.py, so everything it trusts is in view.
+
+The evaluator: measures val_bpb of an exported model that hostile code may have written.
 
 The run harness starts this after the candidate and every process it left
 have gone, as `python -I evaluate.py ...` (isolated: no PYTHONPATH, no user

@@ -1,3 +1,5 @@
+# Kept as one file: the one harness module train.py imports, read top to bottom (nanochat-style),
+# and a file every lab pins. (A comment, not the docstring: `prepare.py --help` prints its first line.)
 """The fixed harness of the benchmark: data, tokenizer, loader, metric, export.
 
 Every experiment changes `train.py` and nothing else; this file is what makes

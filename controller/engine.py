@@ -1,4 +1,7 @@
-"""The engine: every decision about a lab's experiments, for both front ends.
+"""Kept as one file: the one `Engine` that carries out every decision for both front ends; its
+seams are the Protocols below.
+
+The engine: every decision about a lab's experiments, for both front ends.
 
 The pure core (`controller.core.reconcile`) says what an experiment's status
 should be and which effects move it there. The engine is the one place that

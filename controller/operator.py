@@ -1,4 +1,7 @@
-"""The Kubernetes operator: kopf handlers that hand every Experiment and Lab to the engine.
+"""Kept as one file: the cluster front end (its seams to the engine: statuses, master, events as
+CRs, and the kopf handlers) in one floor of the layers contract.
+
+The Kubernetes operator: kopf handlers that hand every Experiment and Lab to the engine.
 
 It is the cluster's front end to the same engine as the local loop
 (`controller.engine`, which makes every decision). This module adapts it to

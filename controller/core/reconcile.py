@@ -1,4 +1,7 @@
-"""The lifecycle of an experiment, as one pure function.
+"""Kept as one file: the whole lifecycle as one pure function, with the ledger rows its states
+write, read side by side.
+
+The lifecycle of an experiment, as one pure function.
 
 `reconcile(world) -> Decision` reads what a front end observed about one
 experiment (its spec, its last status, the master, the checks on its
