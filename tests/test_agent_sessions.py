@@ -41,7 +41,7 @@ import pytest
 import yaml
 
 from controller.cli import main as cli
-from controller.cli.authoring import split_front_matter
+from controller.cli.agents import split_front_matter
 from controller.cli.lab import init_lab
 from controller.local import LocalLab
 

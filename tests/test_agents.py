@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from controller.cli.lab import init_lab
-from controller.cli import authoring, main as cli
-from controller.cli.authoring import (RUNTIMES, kickoff_text, load_contracts, render,
+from controller.cli import agents, main as cli
+from controller.cli.agents import (RUNTIMES, kickoff_text, load_contracts, render,
                                   split_front_matter)
 from controller.core.spec import SpecError
 
@@ -40,7 +40,7 @@ def test_every_role_has_one_contract_with_purpose_inputs_scope_and_outputs(contr
     assert {c.name for c in contracts} == ROLES
     for c in contracts:
         assert c.description and c.reads and c.returns, c.name
-        assert set(c.capabilities) <= set(authoring.CAPABILITIES)
+        assert set(c.capabilities) <= set(agents.CAPABILITIES)
         prompt = c.prompt()
         for field_name in c.returns:
             assert f"`{field_name}`" in prompt
@@ -180,7 +180,7 @@ def test_every_runtime_carries_the_same_words_for_a_role(rendered):
 
 
 def test_a_lab_gets_the_rulebook_and_render_is_repeatable(rendered):
-    assert (rendered / "AGENTS.md").read_text() == authoring.RULEBOOK.read_text()
+    assert (rendered / "AGENTS.md").read_text() == agents.RULEBOOK.read_text()
     again = render(list(RUNTIMES), rendered, gpu_slots=4)
     assert {verb for _, verb in again} == {"unchanged"}
 
