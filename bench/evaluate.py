@@ -1049,5 +1049,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # The verdict is written: skip the interpreter's and torch's teardown (finalisers, the CUDA
-    # context's), which took 1.9-2.6 s after every evaluation on an H200 (bench/RESULTS.md).
+    # context's), which took 1.9-2.6 s after every evaluation on an H200 (docs/results.md).
     os._exit(code)

@@ -1,4 +1,4 @@
-"""kubectl against the API emulator: the README's cluster section, answered as a real server would.
+"""kubectl against the API emulator: docs/cluster.md's walk-through, answered as a real server would.
 
 Every test runs the real `kubectl` (with `--kubeconfig` written into tmp_path)
 against `controller.kube.emulator`, served on a free port by a thread of this
@@ -95,7 +95,7 @@ class Api:
         return json.loads(self.run(*args, "-o", "json").stdout)
 
     def installed(self) -> "Api":
-        """The README's first steps: CRDs, the namespace, an example Experiment."""
+        """docs/cluster.md's first steps: CRDs, the namespace, an example Experiment."""
         self.run("apply", "-k", str(REPO / "crds"))
         self.run("create", "namespace", NS)
         self.run("apply", "-f", str(EXAMPLE))
@@ -375,7 +375,7 @@ def test_a_diff_past_the_annotations_limit_is_refused_by_apply_and_taken_by_crea
     `kubectl.kubernetes.io/last-applied-configuration`, and a server holds an object's
     annotations to 256 KiB. A diff of 100,000 three-byte characters is within the CRD's 128 Ki
     characters but not within that: apply is refused as a real server refuses it, and
-    `kubectl create` (no copy) takes it, as the README says."""
+    `kubectl create` (no copy) takes it, as docs/cluster.md says."""
     api.run("apply", "-k", str(REPO / "crds"))
     api.run("create", "namespace", NS)
     doc = yaml.safe_load(EXAMPLE.read_text())

@@ -1,24 +1,25 @@
-"""The README's commands and specs, run as written (issue 14).
+"""The README's and the docs' commands and specs, run as written (issues 14 and 38).
 
-Every code block of README.md (fenced or indented) and every manifests/examples/*.yaml is
-found here and meets one fate:
+Every code block of README.md and of docs/*.md (fenced or indented) and every
+manifests/examples/*.yaml is found here and meets one fate:
 
 - a **command for one machine** (`autolab ...`, `cd`, `source`, `$EDITOR ...`) runs in bash,
-  in README order, in one shell whose `cd`, `source` and exports carry over from line to line,
+  in page order (PAGES: the README, then the docs pages that continue its walk-through), in one shell whose `cd`, `source` and exports carry over from line to line,
   with a temporary HOME (so `cd ~ && autolab init mylab` makes a fresh lab there), and is held
   to what the text around it promises (the columns its comment names, "conditions, events, the
   diff", ...);
 - a **cluster command** (`kubectl ...`, including the one each example names in its first line)
   runs against the API emulator with the operator running (tests/test_kubectl.py's emulator,
   tests/test_operator.py's operator and kubelet), verbatim but for the kubeconfig (KUBECONFIG);
-- a **spec** (an Experiment in the README or in manifests/examples/, the README's Lab fragment)
-  is checked by the controller's own code against a fresh lab: its `parent` is the seed
+- a **spec** (an Experiment in any page or in manifests/examples/, a Lab fragment) is checked by the controller's own code against a fresh lab: its `parent` is the seed
   master's hash, so an example left behind by a change of bench/train.py fails here;
 - anything else is in NOT_RUN with the reason it cannot run here (a Docker daemon, the Hub, a
   picture that is not a command).
 
-A block added to the README without one of these decisions fails
-`test_every_block_of_the_readme_has_a_decision`, which says to classify it.
+A block added to a page without one of these decisions fails
+`test_every_block_of_the_readme_has_a_decision`, which says to classify it; and every
+`autolab` command a page shows, run or not, must parse with autolab's own parser
+(`test_every_autolab_command_the_pages_show_parses`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from test_operator import CMS, JOBS, NS, Cluster, operator, result
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# The pages whose blocks this file reads, in the order their commands run: the README, then the
+# docs pages that go on from its lab (writing a spec, the agents), then the rest.
+WALK_ON = ("experiments.md", "agents.md")
+PAGES = [README, *(REPO / "docs" / name for name in WALK_ON),
+         *(p for p in sorted((REPO / "docs").glob("*.md")) if p.name not in WALK_ON)]
 EXAMPLES = sorted((REPO / "manifests" / "examples").glob("*.yaml"))
 SEED_HASH = candidate_hash((REPO / "bench" / "train.py").read_text())
 SHELLS = ("bash", "sh", "shell", "console", "indented")
@@ -60,6 +66,11 @@ class Block:
     lang: str      # the fence's language, "" for a bare fence, "indented" for a 4-space block
     text: str      # dedented content
     section: str   # the heading above it
+    page: Path = README
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
 
     @property
     def key(self) -> str:
@@ -69,7 +80,7 @@ class Block:
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w-]*)\s*$")
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: Path = README) -> list[Block]:
     """Fenced blocks (at any indent, as in a list item) and CommonMark indented blocks (4 spaces
     after a blank line, outside a fence)."""
     lines = text.splitlines()
@@ -83,7 +94,7 @@ def readme_blocks(text: str) -> list[Block]:
             while i < len(lines) and lines[i].strip() != fence:
                 body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
                 i += 1
-            out.append(Block(start + 1, lang, "\n".join(body), section))
+            out.append(Block(start + 1, lang, "\n".join(body), section, page))
             i += 1
             continue
         if line.startswith("#"):
@@ -93,7 +104,7 @@ def readme_blocks(text: str) -> list[Block]:
             while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
                 body.append(lines[i][4:])
                 i += 1
-            out.append(Block(start + 1, "indented", "\n".join(body).strip("\n"), section))
+            out.append(Block(start + 1, "indented", "\n".join(body).strip("\n"), section, page))
             continue
         i += 1
     return out
@@ -142,7 +153,7 @@ def example_commands(path: Path) -> list[str]:
     return [c.strip() for c in first[1:].split(";")]
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in readme_blocks(page.read_text(), page)]
 
 
 def shell_commands() -> list[Command]:
@@ -151,6 +162,12 @@ def shell_commands() -> list[Command]:
 
 def experiment_blocks() -> list[Block]:
     return [b for b in BLOCKS if b.lang == "yaml" and "kind: Experiment" in b.text]
+
+
+def lab_fragments() -> list[Block]:
+    """YAML blocks that show part of a Lab: a top-level `spec:` and no kind."""
+    return [b for b in BLOCKS if b.lang == "yaml" and "kind:" not in b.text
+            and b.text.lstrip().startswith("spec:")]
 
 
 # --- the decisions ------------------------------------------------------------------------------
@@ -176,8 +193,17 @@ NOT_RUN = {
         "model",
     "Pending -> Invalid | Duplicate | Conflict                    (no GPU spent)":
         "the diagram of an experiment's phases, not a command",
-    "controller/cli/        `autolab`: one explicit parser (main.py) and its commands":
-        "the layout of the source tree, not a command",
+    "Pending -> Invalid | Duplicate | Conflict                     (no GPU spent)":
+        "docs/experiments.md's diagram of an experiment's phases, not a command",
+    "you or an agent                         the controller (autolab run, or the operator)":
+        "the README's picture of the loop, not a command",
+    "cli            controller/cli/       `autolab`: one explicit parser (main.py) and its commands":
+        "docs/architecture.md's picture of the floors, not a command",
+    "bench/perf/gpu_throughput.sh 20 3 MKCORPUS losing": "needs a GPU machine and the corpus "
+        "builder; its figures are in docs/results.md with the machine and the date",
+    ".venv/bin/python bench/perf/lab_throughput.py --data synthetic --profile tiny --budget 5 "
+    "--lab /tmp/tp": "a benchmark that prints figures (minutes on a CPU); the one-machine "
+                     "walk-through above runs the same `autolab run` loop",
 }
 
 # One machine: each command the README shows, in order, and what its text promises. Each check
@@ -212,9 +238,13 @@ def table(out: str) -> tuple[list[str], dict[str, list[str]]]:
     return rows[0], {r[0]: r for r in rows[1:]}
 
 
+def readme_spec_block() -> Block:
+    (block,) = [b for b in experiment_blocks() if b.page == README]
+    return block
+
+
 def readme_spec() -> dict:
-    (block,) = experiment_blocks()
-    return yaml.safe_load(block.text)
+    return yaml.safe_load(readme_spec_block().text)
 
 
 @promise("source .venv/bin/activate")
@@ -358,27 +388,57 @@ def test_every_block_of_the_readme_has_a_decision():
     for c in shell_commands():
         if c.command not in ON_ONE_MACHINE and c.command not in IN_A_CLUSTER \
                 and c.command not in NOT_RUN:
-            undecided.append(f"README.md:{c.block.line} ({c.block.section}): {c.command!r}")
+            undecided.append(f"{c.block.where} ({c.block.section}): {c.command!r}")
     for b in BLOCKS:
         if b.lang in SHELLS or b.lang == "yaml":
             continue
         if b.key not in NOT_RUN:
-            undecided.append(f"README.md:{b.line} ({b.section}): a {b.lang or 'bare'} block "
+            undecided.append(f"{b.where} ({b.section}): a {b.lang or 'bare'} block "
                              f"starting {b.key!r}")
     for b in BLOCKS:
-        if b.lang == "yaml" and "kind: Experiment" not in b.text and "backend: hf" not in b.text:
-            undecided.append(f"README.md:{b.line}: a yaml block that is neither the Experiment "
-                             "nor the hf Lab fragment")
+        if b.lang == "yaml" and b not in experiment_blocks() and b not in lab_fragments():
+            undecided.append(f"{b.where}: a yaml block that is neither an Experiment nor a Lab "
+                             "fragment (a top-level `spec:`)")
     for path in EXAMPLES:
         for c in example_commands(path):
             if c not in IN_A_CLUSTER and not c.startswith("kubectl apply -f manifests/examples/"):
                 undecided.append(f"{path.relative_to(REPO)}: {c!r}")
     assert not undecided, ("classify this block (tests/test_readme.py: ON_ONE_MACHINE, "
                            "IN_A_CLUSTER, or NOT_RUN with the reason):\n" + "\n".join(undecided))
-    # And nothing decided that the README no longer says.
+    # And nothing decided that no page says any more.
     said = {c.command for c in shell_commands()} | {b.key for b in BLOCKS}
     stale = [k for k in [*ON_ONE_MACHINE, *IN_A_CLUSTER, *NOT_RUN] if k not in said]
-    assert not stale, f"the README no longer shows these; drop them here: {stale}"
+    assert not stale, f"no page shows these any more; drop them here: {stale}"
+    # A command shown twice would run twice in the walk-through: each page shows its own.
+    shown = [c.command for c in shell_commands() if c.command in ON_ONE_MACHINE]
+    assert len(shown) == len(set(shown)), sorted(c for c in shown if shown.count(c) > 1)
+
+
+def autolab_invocations(command: str) -> list[list[str]]:
+    """The `autolab ...` commands in a shell line (`cd ~ && autolab init ...` holds one); a
+    line that pipes or substitutes is the runtime's, not autolab's (its NOT_RUN reason says)."""
+    if any(t in command for t in ("|", "$(", "<(")):
+        return []
+    out = []
+    for part in command.split("&&"):
+        argv = shlex.split(part)
+        if argv and argv[0] == "autolab":
+            out.append(argv[1:])
+    return out
+
+
+def test_every_autolab_command_the_pages_show_parses(capsys):
+    """Run or not, a command a page shows names a subcommand and options autolab has: a
+    renamed flag fails here, not in a reader's terminal."""
+    from controller.cli.main import build_parser
+    wrong = []
+    for c in shell_commands():
+        for argv in autolab_invocations(c.command):
+            try:
+                build_parser().parse_args(argv)
+            except SystemExit:
+                wrong.append(f"{c.block.where}: {c.command!r}: {capsys.readouterr().err.strip()}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_demo_the_readme_names_is_the_one_the_suite_runs():
@@ -431,7 +491,7 @@ class Shell:
 # The reader's own steps between the README's commands: what "the spec above" and "$EDITOR"
 # stand for.
 def _write_the_spec_above(sh: Shell) -> None:
-    (sh.cwd / "warmdown-03.yaml").write_text(experiment_blocks()[0].text + "\n")
+    (sh.cwd / "warmdown-03.yaml").write_text(readme_spec_block().text + "\n")
 
 
 BEFORE = {"autolab apply -f warmdown-03.yaml": _write_the_spec_above}
@@ -458,7 +518,7 @@ def test_the_one_machine_commands_do_what_the_readme_says(tmp_path):
         started = time.monotonic()
         p = sh.run(c.text)
         took = time.monotonic() - started
-        where = f"README.md:{c.block.line}: {c.text}"
+        where = f"{c.block.where}: {c.text}"
         assert p.returncode == 0, f"{where}\nexit {p.returncode}\n{p.stdout}\n{p.stderr}"
         sh.comment = c.comment
         try:
@@ -479,6 +539,7 @@ def _autolab(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_every_experiment_spec_is_current_and_passes_the_controllers_checks(tmp_path):
+    """Every Experiment a page shows, AGENTS.md's and manifests/examples/ too."""
     env = {**os.environ, "HOME": str(tmp_path), "AUTOLAB_TRACKING": "0"}
     init = _autolab("init", "lab", "--profile", "tiny", "--data", "synthetic", cwd=tmp_path,
                     env=env)
@@ -486,7 +547,7 @@ def test_every_experiment_spec_is_current_and_passes_the_controllers_checks(tmp_
     lab = tmp_path / "lab"
     files = []
     for b in experiment_blocks():
-        files.append(tmp_path / f"readme-{b.line}.yaml")
+        files.append(tmp_path / f"{b.page.stem.lower()}-{b.line}.yaml")
         files[-1].write_text(b.text + "\n")
     # The spec AGENTS.md shows a coding agent, too: the rulebook's example must be current.
     rulebook = (REPO / "AGENTS.md").read_text()
@@ -514,21 +575,26 @@ def test_every_experiment_spec_is_current_and_passes_the_controllers_checks(tmp_
                                          for f in EXAMPLES], p.stdout
 
 
-def test_the_hf_lab_fragment_is_a_valid_lab_spec():
-    (block,) = [b for b in BLOCKS if b.lang == "yaml" and "backend: hf" in b.text]
-    fragment = yaml.safe_load(block.text)
-    lab = yaml.safe_load((REPO / "manifests" / "lab.yaml").read_text())
-    lab["spec"] = {k: v for k, v in lab["spec"].items() if k != "kubernetes"}
-    lab["spec"].update(fragment["spec"])
-    validate_document(lab, source=f"README.md:{block.line}", kind="Lab")
-    spec = LabSpec.from_dict(lab["spec"])
+def test_every_lab_fragment_is_a_valid_lab_spec():
+    """A page's Lab fragment, merged into the cluster's default Lab, passes the schema."""
+    assert lab_fragments(), "no page shows a Lab fragment (docs/hf-jobs.md's lab.yaml)"
+    for block in lab_fragments():
+        fragment = yaml.safe_load(block.text)
+        lab = yaml.safe_load((REPO / "manifests" / "lab.yaml").read_text())
+        lab["spec"] = {k: v for k, v in lab["spec"].items() if k != "kubernetes"}
+        lab["spec"].update(fragment["spec"])
+        validate_document(lab, source=block.where, kind="Lab")
+        LabSpec.from_dict(lab["spec"])
+    (block,) = [b for b in lab_fragments() if "backend: hf" in b.text]
+    spec = LabSpec.from_dict({**yaml.safe_load((REPO / "manifests" / "lab.yaml").read_text())
+                              ["spec"], **yaml.safe_load(block.text)["spec"]})
     assert spec.backend == "hf" and spec.gpu_slots == 2 and spec.hf["flavor"] == "h200"
 
 
 # --- a cluster ----------------------------------------------------------------------------------
 
 def cluster_commands() -> list[str]:
-    """The README's kubectl lines, in order."""
+    """The kubectl lines the pages show (docs/cluster.md's walk-through), in order."""
     return [c.command for c in shell_commands() if c.command in IN_A_CLUSTER]
 
 
@@ -588,7 +654,7 @@ async def test_the_cluster_commands_do_what_the_readme_says(tmp_path):
 
     def next_is(command: str) -> str:
         got = next(readme)
-        assert got == command, f"the README's next cluster command is {got!r}, not {command!r}"
+        assert got == command, f"the pages' next cluster command is {got!r}, not {command!r}"
         return got
 
     try:
@@ -667,7 +733,7 @@ async def test_the_cluster_commands_do_what_the_readme_says(tmp_path):
             master = json.loads(out)
             assert master["experiment"] == "warmdown-03" and master["val_bpb"] == 0.95
 
-            assert next(readme, None) is None, "a README kubectl line this test does not run"
+            assert next(readme, None) is None, "a kubectl line of the pages this test does not run"
 
             # Each example's own first line: apply it, watch it arrive (warmdown-03's is the
             # README's, run above).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measure the benchmark on a GPU machine (default profile), as bench/RESULTS.md records it.
+# Measure the benchmark on a GPU machine (default profile), as docs/results.md records it.
 #
 #   bench/perf/gpu_bench.sh BUDGET RUNS [MKCORPUS]
 #

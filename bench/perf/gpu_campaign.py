@@ -40,7 +40,7 @@ EDITS = {
     "dead-constant": ("MATRIX_LR = 0.02", "UNUSED_KNOB = 7  # read by nothing\nMATRIX_LR = 0.02",
                       "A constant nothing reads (a control: no gain)."),
 }
-RUN_OVERHEAD = 20.0  # seconds a warm run spends outside training (bench/RESULTS.md)
+RUN_OVERHEAD = 20.0  # seconds a warm run spends outside training (docs/results.md)
 
 
 def autolab(*args: str, cwd: Path) -> subprocess.CompletedProcess:

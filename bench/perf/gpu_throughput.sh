@@ -8,7 +8,7 @@
 # bench/perf/lab_throughput.py: a lab with a baseline and EXPERIMENTS specs, and the time each
 # run spent outside training (prepare, start-up, export, evaluate) and between runs. The
 # controller's Python dependencies that a bare GPU image lacks come as wheels in .whl/ (see
-# bench/RESULTS.md). Candidates run without bubblewrap (the machine has none; the programs
+# docs/results.md). Candidates run without bubblewrap (the machine has none; the programs
 # are the repo's own), which changes start-up by well under a second (bench/perf/sandbox_bench.py).
 set -euo pipefail
 BUDGET=${1:-60}; EXPERIMENTS=${2:-3}; MKCORPUS=$3; CHANGES=${4:-plausible}

@@ -72,7 +72,7 @@ HANDICAP = 4.0        # how much wider the handicapped master spreads
 SLOTS = 4
 SWITCHES = 40         # switches in the synthetic surface
 GAP = 8               # comment lines between two switches: hunks never touch
-RUN_SECONDS = 300 + 20  # a 300-s run and the harness's ~20 s around it (bench/RESULTS.md)
+RUN_SECONDS = 300 + 20  # a 300-s run and the harness's ~20 s around it (docs/results.md)
 
 
 def surface() -> str:
