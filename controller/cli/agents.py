@@ -237,11 +237,15 @@ def render_opencode(contracts: list[Contract], gpu_slots: int) -> dict[str, str]
     return files
 
 
+def _markdown_agents(contracts: list[Contract], folder: str, tools) -> dict[str, str]:
+    """One Markdown agent file per role, front matter name/description/tools (Claude Code, Pi)."""
+    return {f"{folder}/{c.name}.md": _front({"name": c.name, "description": c.description,
+                                             "tools": tools(c)}, _marker_md(c) + c.prompt())
+            for c in contracts}
+
+
 def render_claude(contracts: list[Contract], gpu_slots: int) -> dict[str, str]:
-    files = {}
-    for c in contracts:
-        meta = {"name": c.name, "description": c.description, "tools": _claude_tools(c)}
-        files[f".claude/agents/{c.name}.md"] = _front(meta, _marker_md(c) + c.prompt())
+    files = _markdown_agents(contracts, ".claude/agents", _claude_tools)
     # Claude Code reads CLAUDE.md, not AGENTS.md: import the rulebook instead of copying it.
     files["CLAUDE.md"] = _marker_md(None, "AGENTS.md") + "@AGENTS.md\n"
     return files
@@ -275,10 +279,7 @@ def render_codex(contracts: list[Contract], gpu_slots: int) -> dict[str, str]:
 
 
 def render_pi(contracts: list[Contract], gpu_slots: int) -> dict[str, str]:
-    files = {}
-    for c in contracts:
-        meta = {"name": c.name, "description": c.description, "tools": _pi_tools(c)}
-        files[f".pi/agents/{c.name}.md"] = _front(meta, _marker_md(c) + c.prompt())
+    files = _markdown_agents(contracts, ".pi/agents", _pi_tools)
     files[".pi/prompts/autolab.md"] = _front(
         {"description": "Run one Autolab pass with the role subagents (goal as arguments)"},
         _marker_md(None, "agents/ and AGENTS.md") + kickoff_text("pi", gpu_slots, contracts)
