@@ -210,6 +210,9 @@ def test_validate_sees_a_stale_parent_rebase_or_conflict(tmp_path, capsys):
 
 FROZEN = "def lr_multiplier(progress):\n"
 
+# The tests on the lab that ran (`ran`) share one worker (`--dist loadgroup`), so its run is made once.
+RAN = pytest.mark.xdist_group("authoring-ran")
+
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> LocalLab:
@@ -243,6 +246,7 @@ def ran(tmp_path_factory) -> LocalLab:
     return LocalLab(root)
 
 
+@RAN
 def test_new_validate_apply_run_round_trip(ran):
     rows = {r["experiment_id"]: r for r in ran.ledger.rows()}
     assert set(rows) == {"baseline", "frozen", "frozen-again"}
@@ -256,6 +260,7 @@ def test_new_validate_apply_run_round_trip(ran):
     assert not (ran.root / ".autolab" / "scratch" / "frozen").exists()
 
 
+@RAN
 def test_finished_experiments_leave_notes_and_do_not_repeat_entries(ran):
     note = (ran.root / "research" / "experiments" / "frozen.md").read_text()
     assert "A learning rate of zero leaves the model untrained." in note
@@ -291,6 +296,7 @@ def read_trackio(lab: LocalLab) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@RAN
 def test_trackio_holds_one_run_per_experiment_with_config_and_metrics(ran):
     runs = read_trackio(ran)
     rows = {r["experiment_id"]: r for r in ran.ledger.rows()}
@@ -313,6 +319,7 @@ def test_trackio_holds_one_run_per_experiment_with_config_and_metrics(ran):
     assert (ran.root / ".autolab" / "trackio" / "autolab-default.db").exists()
 
 
+@RAN
 def test_report_shows_the_leader_and_plots_one_point_per_finished_experiment(ran, capsys):
     assert cli.main(["report", "--lab", str(ran.root)]) == 0
     md = capsys.readouterr().out

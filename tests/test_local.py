@@ -22,6 +22,10 @@ from labkit import spec_from_edit
 
 AUTOLAB = [sys.executable, "-m", "controller.cli.main"]
 
+# The tests on the demo's lab share one worker (`--dist loadgroup`): each worker that takes one
+# would run the whole demo for its own copy of the module fixture.
+DEMO = pytest.mark.xdist_group("demo-lab")
+
 
 @pytest.fixture(scope="module")
 def demo_lab(tmp_path_factory):
@@ -34,6 +38,7 @@ def records(lab: Path) -> dict:
     return {p.stem: json.loads(p.read_text()) for p in (lab / ".autolab" / "status").glob("*.json")}
 
 
+@DEMO
 def test_demo_meets_every_outcome(demo_lab):
     st = {n: r["status"] for n, r in records(demo_lab).items()}
     seen = {n: (s["phase"], s.get("outcome")) for n, s in st.items()}
@@ -51,6 +56,7 @@ def test_demo_meets_every_outcome(demo_lab):
     assert "UNEMBEDDING_LR = 0.01" in st["stale-conflict"]["message"]
 
 
+@DEMO
 def test_duplicates_and_refusals_spend_no_run(demo_lab):
     runs = {p.name for p in (demo_lab / ".autolab" / "runs").iterdir()}
     for refused in ("repeat-improve", "repeat-commented", "touch-prepare", "stale-conflict"):
@@ -58,6 +64,7 @@ def test_duplicates_and_refusals_spend_no_run(demo_lab):
     assert {"exp-improve-lr-1", "exp-regress-capped-1", "exp-stale-warmdown-1"} <= runs
 
 
+@DEMO
 def test_ledger_has_one_row_per_experiment_and_the_baseline(demo_lab):
     rows = Ledger(demo_lab / "research" / "results.tsv").rows()
     ids = [r["experiment_id"] for r in rows]
@@ -68,6 +75,7 @@ def test_ledger_has_one_row_per_experiment_and_the_baseline(demo_lab):
     assert len(master["history"]) == 1 + len(promoted)
 
 
+@DEMO
 def test_branches_stay_for_runs_and_worktrees_go(demo_lab):
     branches = subprocess.run(["git", "branch", "--list", "autolab/*"], cwd=demo_lab,
                               capture_output=True, text=True).stdout.split()
@@ -84,6 +92,7 @@ def test_branches_stay_for_runs_and_worktrees_go(demo_lab):
     assert master == json.loads((demo_lab / "research/live/master.json").read_text())["commit"]
 
 
+@DEMO
 def test_get_json_is_a_kubectl_list(demo_lab, capsys):
     assert main(["get", "--lab", str(demo_lab), "-o", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -94,6 +103,7 @@ def test_get_json_is_a_kubectl_list(demo_lab, capsys):
     assert item["status"]["metrics"]["val_bpb"] > 0
 
 
+@DEMO
 def test_describe_tells_the_story(demo_lab, capsys):
     assert main(["describe", "--lab", str(demo_lab), "stale-warmdown"]) == 0
     out = capsys.readouterr().out
@@ -101,6 +111,7 @@ def test_describe_tells_the_story(demo_lab, capsys):
     assert "+WARMDOWN_RATIO = 0.3" in out
 
 
+@DEMO
 def test_apply_refuses_bad_input_and_changes_nothing(demo_lab, tmp_path, capsys):
     before = (demo_lab / "research" / "results.tsv").read_bytes()
     listing = sorted(p.name for p in (demo_lab / "experiments").iterdir())
