@@ -49,6 +49,15 @@ case $MODE in
     echo $! > /tmp/gpu-campaign.pid
     wait_for "$WAIT" ;;
   wait) wait_for "${2:-540}" ;;
+  one)  # one run of the master through the harness alone (no lab): MFU and memory, both ways
+    prepare_corpus .devtools/mkcorpus.py
+    $PY -I bench/run.py --candidate bench/train.py --result "$OUTDIR/one.json" --source "dir:$DATA" \
+        --budget "${2:-45}" --sandbox bwrap --log "$OUTDIR/one.log" > /dev/null 2>&1
+    $PY -c "
+import json; r = json.load(open('$OUTDIR/one.json')); m, s = r['metrics'], r.get('reported') or {}
+print(r['reason_code'], r['sandbox'], 'val_bpb', m.get('val_bpb'), 'steps', m.get('num_steps'), r.get('measured'))
+print('MFU harness', m.get('mfu_percent'), 'train.py', s.get('mfu_percent'), 'VRAM harness', m.get('peak_vram_mb'), 'train.py', s.get('peak_vram_mb'))"
+    grep "^\[bench\]" "$OUTDIR/one.log"; exit 0 ;;
 esac
 
 [ -d "$LAB/research" ] || { tail -30 $LOG; exit 1; }
