@@ -242,7 +242,9 @@ def opencode_env(home: Path, model: ScriptedModel) -> dict[str, str]:
             "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1"}
 
 
-@pytest.fixture(scope="module")
+# Session, not module: a worker that runs another module's test in between would tear a module
+# fixture down and make it again; this one is made once per worker that uses it.
+@pytest.fixture(scope="session")
 def opencode_session(tmp_path_factory):
     opencode = runtime("opencode", "opencode-ai")
     root = tmp_path_factory.mktemp("opencode")
@@ -398,7 +400,9 @@ def codex_home(model: ScriptedModel, lab: LocalLab) -> Path:
     return home
 
 
-@pytest.fixture(scope="module")
+# Session, not module: a worker that runs another module's test in between would tear a module
+# fixture down and make it again; this one is made once per worker that uses it.
+@pytest.fixture(scope="session")
 def codex_session(tmp_path_factory):
     codex = runtime("codex", "@openai/codex")
     root = tmp_path_factory.mktemp("codex")

@@ -214,7 +214,9 @@ FROZEN = "def lr_multiplier(progress):\n"
 RAN = pytest.mark.xdist_group("authoring-ran")
 
 
-@pytest.fixture(scope="module")
+# Session, not module: a worker that runs another module's test in between would tear a module
+# fixture down and make it again; this one is made once per worker that uses it.
+@pytest.fixture(scope="session")
 def ran(tmp_path_factory) -> LocalLab:
     """worktree -> edit -> new -w -> validate -> apply -> run, all through the CLI.
 

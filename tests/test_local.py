@@ -27,7 +27,9 @@ AUTOLAB = [sys.executable, "-m", "controller.cli.main"]
 DEMO = pytest.mark.xdist_group("demo-lab")
 
 
-@pytest.fixture(scope="module")
+# Session, not module: a worker that runs another module's test in between would tear a module
+# fixture down and make it again; this one is made once per worker that uses it.
+@pytest.fixture(scope="session")
 def demo_lab(tmp_path_factory):
     base = tmp_path_factory.mktemp("demo")
     assert run_demo(directory=str(base)) == 0

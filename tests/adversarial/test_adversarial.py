@@ -24,7 +24,9 @@ from advrig import Rig
 pytestmark = pytest.mark.adversarial
 
 
-@pytest.fixture(scope="module")
+# Session, not module: a worker that runs another module's test in between would tear a module
+# fixture down and make it again; this one is made once per worker that uses it.
+@pytest.fixture(scope="session")
 def rig(tmp_path_factory):
     r = Rig(tmp_path_factory.mktemp("adversarial"))
     try:
