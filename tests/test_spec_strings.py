@@ -499,12 +499,17 @@ def test_a_queued_experiment_runs_the_spec_it_was_checked_with_after_its_file_br
     assert conds["SpecChangeIgnored"]["status"] == "True"
 
 
-@pytest.mark.parametrize("label, content", [
+UNREADABLE = [
     ("latin1-bytes", "metadata: {name: caf\xe9}\n".encode("latin-1")),
     ("deep-nesting", b"spec: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"),
     ("huge-integer", b"metadata: {name: x}\nspec: {priority: " + b"1" * 5000 + b"}\n"),
     ("metadata-list", b"metadata: [1]\nspec: {}\n"),
-])
+]
+
+
+# Named by label only: an id made of 200 kB of brackets lands in PYTEST_CURRENT_TEST, and every
+# process the test starts (git) is refused its environment (E2BIG).
+@pytest.mark.parametrize("label, content", UNREADABLE, ids=[label for label, _ in UNREADABLE])
 def test_an_unreadable_spec_file_is_a_file_error_not_a_crash(tmp_path, label, content):
     lab = new_lab(tmp_path / "lab")
     (lab.root / "experiments" / f"{label}.yaml").write_bytes(content)
