@@ -94,12 +94,13 @@ from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
 from controller.core.evaluation import evaluation_limit
-from controller.core.noise import ALPHA, detectable_gain, mean, place_seed, spread
+from controller.core.noise import (ALPHA, detectable_gain, lord_level, mean, place_seed,
+                                   spread)
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
                                        PromotionResult, RunObservation, World, baseline_run_name,
-                                       master_run_row, noise_run_name,
+                                       carried_values, master_run_row, noise_run_name,
                                        reconcile, reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
@@ -483,7 +484,7 @@ class Engine:
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
                       worktree=self._leftovers(name, st), near_duplicates=near,
-                      tries=self._tries(name, st))
+                      **self._test_of(name, st))
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -540,13 +541,16 @@ class Engine:
                                            confirm=a.get("confirm", False)) \
                         if schedule else None
                     waiting = slot is None
-                elif intent.kind == "submit":
-                    slot = None  # used once
-                    if a.get("place") == 1 and a.get("program", "candidate") == "candidate":
-                        k = self._claim_test(name, st.get("parentHash") or "")
-                        if st.get("tries") != k:  # another pass claimed the count meanwhile
-                            st = {**st, "tries": k}
+                elif intent.kind in ("submit", "claim-test"):
+                    slot = None if intent.kind == "submit" else slot  # used once
+                    if a.get("claim") or intent.kind == "claim-test":
+                        k, level = self._claim_test(name, st.get("parentHash") or "")
+                        if st.get("tries") != k or st.get("level") != level:
+                            # another pass claimed the count meanwhile
+                            st = {**st, "tries": k, "level": level}
                             written = self._store(name, st, written)
+                    if intent.kind == "claim-test":
+                        continue
                     run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
                     self._tell(name, untold)
                 elif intent.kind == "set-place":
@@ -563,6 +567,7 @@ class Engine:
                             (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
                             utcnow(), a.get("margin", 0.0), a.get("against"), a.get("places"))
                     if promotion.promoted:
+                        self._discovered(name)
                         self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
                             "evaluate_seconds"), st.get("run") or name)
                         self.events.lab(Event("Normal", "Promoted",
@@ -630,7 +635,7 @@ class Engine:
         w = World(name=nxt, spec=spec, lab=self._world_lab(), master=self.master.master(), now=utcnow(),
                   status=st, spec_error=spec_error, generation=obs.generation, deleting=False, slot=slot,
                   recorded=self.ledger.has_run(st.get("run") or run_name(nxt)),
-                  worktree=self._leftovers(nxt, st), tries=self._tries(nxt, st))
+                  worktree=self._leftovers(nxt, st), **self._test_of(nxt, st))
         decision = reconcile(w)
         submit = next((i for i in decision.intents if i.kind == "submit"), None)
         if submit is None or "materialise" in decision.kinds() \
@@ -818,6 +823,49 @@ class Engine:
             return []
         return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
+    def _campaign(self) -> dict:
+        """The lab's tests in the order they began, and the promoted ones among them (online
+        FDR control: `controller.core.noise.lord_level`), kept in `.autolab/state/tests.json`."""
+        try:
+            doc = json.loads((self.paths.state / "tests.json").read_text())
+        except (OSError, ValueError):
+            doc = {}
+        tests = doc.get("tests") if isinstance(doc, dict) else None
+        promoted = doc.get("promoted") if isinstance(doc, dict) else None
+        return {"tests": [n for n in tests or [] if isinstance(n, str)],
+                "promoted": [n for n in promoted or [] if isinstance(n, str)]}
+
+    def _level_of(self, name: str, doc: dict) -> float:
+        """The level of `name`'s test: LORD++ at its number in the campaign (the next number if
+        it has not begun), given the promotions of tests before it."""
+        tests = doc["tests"]
+        t = tests.index(name) + 1 if name in tests else len(tests) + 1
+        found = [tests.index(n) + 1 for n in doc["promoted"] if n in tests]
+        return round(lord_level(t, [d for d in found if d < t]), 8)
+
+    def _discovered(self, name: str) -> None:
+        """A promotion: the test of `name` earns level back for the tests after it."""
+        with self.lock:
+            doc = self._campaign()
+            if name not in doc["promoted"]:
+                doc["promoted"].append(name)
+                atomic_write(self.paths.state / "tests.json", json.dumps(doc) + "\n")
+
+    def _test_of(self, name: str, st: dict) -> dict:
+        """What the World says of an experiment's test: its number against its master, its
+        level (kept on the status once it began) and the pairs it may carry."""
+        level = st.get("level")
+        if level is None:
+            level = self._level_of(name, self._campaign())
+        carried = None
+        if not st.get("pairs") and not st.get("job") and st.get("candidateHash") \
+                and st.get("phase") in ("Queued", "Confirming"):
+            master = self.master.master()
+            if st.get("parentHash") == master.hash:
+                carried = carried_values(self.ledger.rows(), st["candidateHash"], master.hash,
+                                         name)
+        return {"tries": self._tries(name, st), "level": level, "carried": carried}
+
     def _tries(self, name: str, st: dict) -> int:
         """Which test against its master an experiment's decision is (its level): its place
         among the experiments that began one against that master, or the next place."""
@@ -826,19 +874,27 @@ class Engine:
         names = self._tests(st.get("parentHash") or self.master.master().hash)
         return names.index(name) + 1 if name in names else len(names) + 1
 
-    def _claim_test(self, name: str, master_hash: str) -> int:
-        """Count `name`'s decision against `master_hash` (once) and say which test it is.
+    def _claim_test(self, name: str, master_hash: str) -> tuple[int, float]:
+        """Count `name`'s decision (once) and say which test against `master_hash` it is and
+        its level.
 
-        Counted when its first run is submitted, whatever ends it: a candidate that voids its
-        unlucky runs (a harness error, a lost run) and is applied again under a new name takes
-        a new, stricter place each time, so the tests against one master together spend at
-        most 2 * ALPHA however many there are."""
+        Counted when its first run is submitted (or its carried pairs taken), whatever ends it:
+        a candidate that voids its unlucky runs (a harness error) and is applied again under a
+        new name is a new test each time, with the level the campaign has left then, so the
+        tests together keep the online FDR control's bound however many there are."""
         with self.lock:
             names = self._tests(master_hash)
             if name not in names:
                 names.append(name)
                 atomic_write(self._tests_file(master_hash), json.dumps(names) + "\n")
-            return names.index(name) + 1
+            doc = self._campaign()
+            if name not in doc["tests"]:
+                level = self._level_of(name, doc)
+                doc["tests"].append(name)
+                atomic_write(self.paths.state / "tests.json", json.dumps(doc) + "\n")
+            else:
+                level = self._level_of(name, doc)
+            return names.index(name) + 1, level
 
     def noise_record(self) -> dict | None:
         """What `autolab noise` measured, if it measured the current master at this profile and

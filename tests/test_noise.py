@@ -95,7 +95,7 @@ def test_a_real_gain_is_promoted_on_paired_runs_and_its_runs_become_the_masters(
     shown = capsys.readouterr().out
     assert f"Pairs:        against master {seed_master[:12]}" in shown
     assert f"  {n}: " in shown and "(95 % interval)" in shown
-    assert "stopped: a real gain" in shown and "test 1 against its master, level 0.015" in shown
+    assert "stopped: a real gain" in shown and "test 1 against its master, level 0.00636" in shown
     assert main(["get", "--lab", str(lab.root), "-o", "wide"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert "PAIRS" in table[0] and "GAIN" in table[0]

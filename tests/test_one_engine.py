@@ -201,14 +201,20 @@ SCENARIOS = [
          Start("no-warmdown"), Start("shallow"),
          Finish("no-warmdown", CRASH), Finish("shallow", INFRA),
          Apply("lr-025", "MATRIX_LR = 0.02", "MATRIX_LR = 0.025"),
-         Start("lr-025"), Finish("lr-025", LOST)),
+         Start("lr-025"), Finish("lr-025", LOST),
+         # neither the broken machine nor the lost run is the candidate's: each place runs
+         # again, under a name of its own, and the lost tries keep their rows (lost)
+         Start("exp-shallow-1-t2"), Finish("exp-shallow-1-t2", ok(1.02)),
+         Start("exp-lr-025-1-t2"), Finish("exp-lr-025-1-t2", ok(0.97))),
         {"no-warmdown": ("Failed", "CandidateCrashed", None),
-         "shallow": ("Failed", "InfrastructureError", None),
-         "lr-025": ("Failed", "RunLost", None)},
-        [(run_of("lr-025"), "error"), (run_of("no-warmdown"), "failed"),
-         (run_of("shallow"), "error")],
-        [(None, 1.0)],
-        sorted(exp_runs("no-warmdown", "shallow", "lr-025"))),
+         "shallow": ("Succeeded", "Rejected", "Rejected"),
+         "lr-025": ("Succeeded", "Promoted", "Promoted")},
+        [(run_of("lr-025"), "lost"), ("exp-lr-025-1-t2", "succeeded"),
+         (run_of("no-warmdown"), "failed"), (run_of("shallow"), "lost"),
+         ("exp-shallow-1-t2", "succeeded")],
+        [(None, 1.0), ("lr-025", 0.97)],
+        sorted(exp_runs("no-warmdown", "shallow", "lr-025")
+               + [("exp-shallow-1-t2", 1, 1), ("exp-lr-025-1-t2", 1, 1)])),
     Scenario(
         "duplicates-invalid-specs-and-a-conflict", 1.0,
         (Apply("first", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05"),

@@ -73,11 +73,11 @@ TABLE = [
     ("candidate failure: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
         "exp-e-1", "failed", result={"status": "failed", "reason": "loss is NaN"})),
      "Failed", None, ["record"]),
-    ("infrastructure error: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
+    ("infrastructure error: run again", dict(status=st("Running", job=JOB), run=RunObservation(
         "exp-e-1", "error", result={"status": "error", "reason": "no data"})),
-     "Failed", None, ["record"]),
-    ("lost run: Failed", dict(status=st("Running", job=JOB), run=RunObservation("exp-e-1", "lost")),
-     "Failed", None, ["record"]),
+     "Queued", None, ["record", "cleanup-run"]),
+    ("lost run: run again", dict(status=st("Running", job=JOB), run=RunObservation("exp-e-1", "lost")),
+     "Queued", None, ["record", "cleanup-run"]),
     ("succeeded without a metric: Failed", dict(status=st("Running", job=JOB), run=RunObservation(
         "exp-e-1", "succeeded", result={"metrics": {"val_bpb": float("nan")}})),
      "Failed", None, ["record"]),
@@ -188,20 +188,20 @@ def test_slots_go_by_priority_then_first_come():
     assert allocate_slots(queued, busy={"0", "1"}, slots=["0", "1"]) == {}
 
 
-@pytest.mark.parametrize("state, result, row_status", [
-    ("failed", {"status": "failed", "reason_code": "CandidateCrashed"}, "failed"),
-    ("failed", {"status": "failed", "reason_code": "BudgetExceeded"}, "failed"),
-    ("lost", None, "error"),
-    ("error", {"status": "error", "reason_code": "DataUnavailable"}, "error"),
-    ("error", None, "error"),
+@pytest.mark.parametrize("state, result, phase, row_status", [
+    ("failed", {"status": "failed", "reason_code": "CandidateCrashed"}, "Failed", "failed"),
+    ("failed", {"status": "failed", "reason_code": "BudgetExceeded"}, "Failed", "failed"),
+    ("lost", None, "Queued", "lost"),
+    ("error", {"status": "error", "reason_code": "DataUnavailable"}, "Queued", "lost"),
+    ("error", None, "Queued", "lost"),
 ])
-def test_only_what_the_candidate_did_counts_as_measured(state, result, row_status):
+def test_only_what_the_candidate_did_counts_as_measured(state, result, phase, row_status):
     """A run the candidate failed is a measurement; a lost run or a broken harness is not: its
-    row says "error", which the duplicate check does not count, so the candidate may run again."""
+    row says "lost", which the duplicate check does not count, and its place is run again."""
     d = reconcile(World(name="e", spec=SPEC, lab=LAB, master=MASTER, now=NOW,
                         status=st("Running", job=JOB),
                         run=RunObservation("exp-e-1", state, result=result)))
-    assert d.status["phase"] == "Failed"
+    assert d.status["phase"] == phase
     (record,) = [i for i in d.intents if i.kind == "record"]
     assert record.args["row"]["status"] == row_status
 
@@ -457,16 +457,51 @@ def test_pairs_stop_when_the_master_moves_between_them():
     assert (d.status["phase"], d.status["outcome"]) == ("Succeeded", "Rejected")
 
 
-def test_a_masters_pair_run_that_fails_is_not_held_against_the_candidate():
+def test_a_masters_pair_run_that_fails_is_run_again_at_its_place():
+    """The master's run failing says nothing of the candidate: the pairs stay, the place is
+    run again under a name of its own, and the failed try has one row, `lost`."""
     status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
                 pairs={"candidate": [0.99, 1.0, 0.995], "master": [1.0, 1.01]},
                 job=dict(JOB, name="exp-e-1-m3", program="master", place=3))
     d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, status=status,
                         run=RunObservation("exp-e-1-m3", "failed", result={
                             "status": "failed", "reason_code": "CandidateCrashed"})))
-    assert (d.status["phase"], d.status["reason"]) == ("Failed", "PairRunLost")
-    rows = {i.args["row"]["run_id"]: i.args["row"] for i in d.intents if i.kind == "record"}
-    assert rows["exp-e-1"]["status"] == "error"  # may run again
+    assert (d.status["phase"], d.status["reason"]) == ("Confirming", "RunRetried")
+    assert d.status["pairs"]["candidate"] == [0.99, 1.0, 0.995]
+    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert [(r["run_id"], r["status"]) for r in rows] == [("exp-e-1-m3", "lost")]
+    assert [e.reason for e in d.events] == ["RunRetried"]
+    # the next pass submits the master again at place 3, as a retry of its own name
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
+                        status=d.status, slot="0"))
+    (submit,) = [i for i in d.intents if i.kind == "submit"]
+    assert (submit.args["run"], submit.args["program"], submit.args["place"]) == \
+        ("exp-e-1-m3-t2", "master", 3)
+
+
+def test_a_run_lost_more_often_than_the_bound_ends_the_experiment_not_held_against_it():
+    """Each loss of one place is a try, recorded once as lost; the fourth ends the experiment
+    Failed (RunsLost), recorded as not measured (error), saying its pairs can be continued."""
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
+                pairs={"candidate": [0.99, 0.98], "master": [1.0, 1.01]})
+    runs = []
+    for k in range(1, 5):
+        d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
+                            status=status, slot="0"))
+        (submit,) = [i for i in d.intents if i.kind == "submit"]
+        runs.append(submit.args["run"])
+        d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
+                            status=d.status, run=RunObservation(submit.args["run"], "lost")))
+        status = d.status
+        if k < 4:
+            assert status["phase"] == "Confirming"
+    assert runs == ["exp-e-1-p3", "exp-e-1-p3-t2", "exp-e-1-p3-t3", "exp-e-1-p3-t4"]
+    assert (status["phase"], status["reason"]) == ("Failed", "RunsLost")
+    assert "continues from its 2 pairs" in status["message"]
+    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert [(r["run_id"], r["status"]) for r in rows] == [("exp-e-1-p3-t4", "lost"),
+                                                         ("exp-e-1", "error")]
+    assert [x["run"] for x in status["lostRuns"]] == runs
 
 
 def test_a_status_from_before_pairs_is_measured_again_in_pairs():

@@ -438,19 +438,25 @@ def test_a_submit_that_raises_is_tried_again_on_the_same_slot(tmp_path, monkeypa
 
 
 def test_a_candidate_whose_run_was_lost_may_run_again(tmp_path, monkeypatch):
-    """A lost run measured nothing: the same program under a new name is queued, not refused
+    """A lost run measured nothing: it is run again at its place, and after the bound the
+    experiment ends RunsLost; the same program under a new name is then queued, not refused
     as a Duplicate of it (a candidate failure would have been)."""
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     lab = new_lab(tmp_path / "lab")
     backend = lab.backends["local"]
     real_observe = backend.observe
     backend.observe = lambda run: (RunObservation(run, "lost", message="the node went away")
-                                   if run == "exp-first-1" else real_observe(run))
+                                   if run.startswith("exp-first-") else real_observe(run))
     write_spec(lab, "first", spec_from_edit(lab, "first", *GOOD_EDIT))
-    lab.step()
-    lab.step()
-    assert (status(lab, "first")["phase"], status(lab, "first")["reason"]) == ("Failed", "RunLost")
-    assert [r["status"] for r in lab.ledger.rows() if r["experiment_id"] == "first"] == ["error"]
+    for _ in range(12):
+        lab.step()
+        if status(lab, "first")["phase"] == "Failed":
+            break
+    assert (status(lab, "first")["phase"], status(lab, "first")["reason"]) == ("Failed", "RunsLost")
+    assert [(r["run_id"], r["status"]) for r in lab.ledger.rows()
+            if r["experiment_id"] == "first"] == [
+        ("exp-first-1", "lost"), ("exp-first-1-t2", "lost"), ("exp-first-1-t3", "lost"),
+        ("exp-first-1-t4", "error")]
     write_spec(lab, "again", spec_from_edit(lab, "again", *GOOD_EDIT))
     lab.step()
     assert status(lab, "again")["phase"] in ("Queued", "Running"), status(lab, "again")
@@ -488,9 +494,10 @@ def test_a_queued_experiment_runs_the_spec_it_was_checked_with_after_its_file_br
     broken = spec_from_edit(lab, "second", "MATRIX_LR = 0.02", "MATRIX_LR = 0.05")
     broken["spec"]["noSuchField"] = 1
     write_spec(lab, "second", broken)
-    real_observe = backend.observe  # the first run ends (lost), which frees the slot
-    backend.observe = lambda run: (RunObservation(run, "lost") if run == "exp-first-1"
-                                   else real_observe(run))
+    real_observe = backend.observe  # the first run ends (the candidate crashed): the slot frees
+    backend.observe = lambda run: (RunObservation(run, "failed", result={
+        "status": "failed", "reason_code": "CandidateCrashed", "reason": "loss is NaN"})
+        if run == "exp-first-1" else real_observe(run))
     lab.step()
     summary = lab.step()
     assert summary.errors == [], summary.errors

@@ -13,6 +13,7 @@ import yaml
 
 from controller.core import figures
 from controller.core.reconcile import TERMINAL
+from controller.core.noise import hard_cap
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
@@ -546,9 +547,18 @@ def describe_pairs(st: dict) -> list[str]:
         out.append(f"  gain {gain_interval(step)} (95 % interval)" +
                    (f", standard error {se:.6f}, t {step.get('t')}" if se is not None else ""))
         crit = step.get("critical")
-        out.append(f"  test {step.get('tries')} against its master, level {step.get('alpha')}; "
+        cap = step.get("cap")
+        alpha = step.get("alpha")
+        alpha = f"{alpha:.3g}" if isinstance(alpha, (int, float)) else alpha
+        out.append(f"  test {step.get('tries')} against its master, level {alpha} "
+                   "(the campaign's online FDR control); "
                    + (f"t had to pass {crit}" if crit is not None else "no look before 3 pairs")
-                   + f"; at most {step.get('cap')} pairs")
+                   + f"; at most {cap} pairs"
+                   + (f", {hard_cap(cap)} while its interval excludes no effect"
+                      if isinstance(cap, int) else ""))
+        if step.get("morePairs"):
+            out.append(f"  about {step['morePairs']} more pairs would likely decide it: apply the "
+                       "same change again under a new name, and it continues from these pairs")
         out.append(f"  {'stopped' if p.get('verdict') else 'so far'}: {step.get('why')}")
     return out
 

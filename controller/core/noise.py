@@ -33,11 +33,23 @@ drowns. So the lab compares like with like:
   raises the chance of a false promotion: a candidate no better than the
   master so far (mean gain <= 0) stops at once, one whose gains sit within
   FUTILITY_T standard errors of zero stops from the second pair on.
-- **The level.** ALPHA for the first test against a master, and less for each
-  later one: 2 * ALPHA / (k * (k + 1)) for the k-th (`test_alpha`), counted
-  when its first pair starts. However many candidates an agent sends against
-  one master, noise gets at most 2 * ALPHA of false promotions from all of them
-  together.
+- **The level, online FDR (LORD++).** Each decision is one test in the lab's
+  whole campaign, numbered when its first run starts. The t-th test runs at
+  `lord_level(t, discoveries)`: LORD++ (Ramdas, Yang, Wainwright and Jordan,
+  2017) spends a share GAMMA(t - tau) of the level FDR for each earlier
+  promotion tau (and of W0 before any), so every promotion earns level back
+  and a long plateau against one master does not drive it to nothing. It
+  bounds the expected share of false promotions among promotions by FDR, and
+  no test runs above LEVEL_CAP, which bounds false promotions per null
+  candidate. `docs/promotion.md` says why we chose it over a budget that
+  shrinks with every test (`test_alpha`, the rule before; still read for
+  statuses written by an older controller).
+- **At the cap.** A decision past `cap` pairs whose 95 % interval still
+  excludes no effect goes on, up to `hard_cap(cap)`; there it ends
+  undecided, with the pairs it would likely need (`Step.more_pairs`), never
+  as a measured rejection: the same candidate may be applied again and
+  continues from its pairs. "No measurable effect" is said only where the
+  interval allows no effect.
 - **What the lab can see** (`detectable_gain`): the smallest gain, in paired
   sds, that the first test against a master promotes with 90 % power within
   the cap. `autolab noise` multiplies it by the paired sd it measures.
@@ -62,7 +74,8 @@ from functools import lru_cache
 ALPHA = 0.015
 FIRST_LOOK = 3          # the first pair count at which the test may promote (2 df)
 FUTILITY_T = 1.0        # from 2 pairs on: a gain this few standard errors from zero stops
-MAX_PAIRS = 10          # the cap on pairs of one decision (`promotion.maxPairs`)
+MAX_PAIRS = 10          # the cap on pairs of one decision (`promotion.maxPairs`): past it, only
+                        # a decision whose interval excludes no effect goes on (to `hard_cap`)
 POWER = 0.9             # what `detectable_gain` asks of the test
 NOISE_RUNS = 5          # places `autolab noise` measures when the lab does not say
 # Harness seeds of places lie above this (seed 0 was the first run's, 1..N the old noise runs).
@@ -70,6 +83,16 @@ PLACE_SEEDS = 1000
 # How many seeds above PLACE_SEEDS a place's seed is drawn from: enough that a run that reads its
 # seed learns nothing of its place, and below 2**32 - 43, so SEED = 42 + seed fits any RNG.
 PLACE_SEED_RANGE = 2**31
+# The online FDR control of the whole campaign (`lord_level`). FDR: the share of promotions that may
+# be false, in expectation. LEVEL_CAP: no test runs above it, so a change that does nothing is
+# promoted at most 1 time in 100. W0: LORD++'s starting wealth (half of FDR: the first promotion
+# earns the other half back). GAMMA_EXPONENT: the level a promotion earns is spent over the tests
+# after it as GAMMA(j) ~ j^-GAMMA_EXPONENT (sum 1): flatter keeps the 20th test against one master
+# closer to the first, steeper gives the first few tests after a promotion more.
+FDR = 0.05
+LEVEL_CAP = 0.01
+W0 = FDR / 2
+GAMMA_EXPONENT = 1.3
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
 MAX_ATTEMPTS = 10
 
@@ -87,9 +110,45 @@ def place_seed(key: bytes, place: int) -> int:
 
 
 def test_alpha(tries: int) -> float:
-    """The level of the `tries`-th test against one master (1: ALPHA). Sums to 2 * ALPHA."""
+    """The level of the `tries`-th test against one master under the rule before LORD++ (1:
+    ALPHA; sums to 2 * ALPHA): statuses of an older controller that carry no `level` use it."""
     k = max(1, tries)
     return 2 * ALPHA / (k * (k + 1))
+
+
+@lru_cache(maxsize=1)
+def _gamma_norm(exponent: float = GAMMA_EXPONENT) -> float:
+    """sum over j >= 1 of j^-exponent (the Riemann zeta function), to 1e-9: the sum to 10^5 and
+    the integral of the tail."""
+    n = 100_000
+    head = math.fsum(j ** -exponent for j in range(1, n + 1))
+    return head + (n + 0.5) ** (1 - exponent) / (exponent - 1)
+
+
+def gamma(j: int) -> float:
+    """LORD++'s spending sequence: the share of a promotion's earned level spent on the j-th
+    test after it (j >= 1; 0 before). Non-increasing, sums to 1."""
+    return j ** -GAMMA_EXPONENT / _gamma_norm() if j >= 1 else 0.0
+
+
+def lord_level(t: int, discoveries: list[int] | tuple[int, ...] = ()) -> float:
+    """The level of the lab's `t`-th test (1-based, over the whole campaign), given the test
+    numbers of the promotions known when it starts (each < t).
+
+    LORD++: W0 * GAMMA(t) + (FDR - W0) * GAMMA(t - tau_1) + FDR * sum_{j >= 2} GAMMA(t - tau_j),
+    capped at LEVEL_CAP. A lower level than LORD++ allows never breaks its bound, so the cap
+    keeps it."""
+    taus = sorted(d for d in discoveries if 0 < d < t)
+    level = W0 * gamma(t)
+    for i, tau in enumerate(taus):
+        level += (FDR - W0 if i == 0 else FDR) * gamma(t - tau)
+    return min(LEVEL_CAP, level)
+
+
+def hard_cap(cap: int) -> int:
+    """Where a decision past its cap (`promotion.maxPairs`), whose interval excludes no effect,
+    ends undecided: half the cap again, at least 3 more pairs."""
+    return cap + max(3, cap // 2)
 
 
 def mean(xs: list[float]) -> float:
@@ -169,14 +228,17 @@ class Step:
     high: float
     alpha: float
     why: str                    # why it stopped, or why it goes on, in a sentence
+    more_pairs: int = 0         # undecided: the pairs it would likely still need
 
     def explain(self) -> str:
         se = "" if not math.isfinite(self.standard_error) else \
             f" +- {self.standard_error:.6f} (t = {self.t:.2f}"
         need = "" if not se else (f"; {self.critical:.2f} needed at level {self.alpha:.3g})"
                                   if math.isfinite(self.critical) else ")")
+        more = f"; about {self.more_pairs} more pair{'s' if self.more_pairs != 1 else ''} " \
+            "would likely decide it" if self.decision == "undecided" else ""
         return (f"{self.pairs} pair{'s' if self.pairs != 1 else ''}: gain {self.gain:+.6f}"
-                f"{se}{need}: {self.why}")
+                f"{se}{need}: {self.why}{more}")
 
 
 # How the level is split over the looks: more where a gain of about 3 paired sds stops (4-6
@@ -199,16 +261,20 @@ def decide(gains: list[float], alpha: float = ALPHA, cap: int = MAX_PAIRS,
     """The sequential test on paired gains (master - candidate at each place, in order).
 
     Stops to reject when the mean gain is not above zero, when from the second pair on it
-    lies within FUTILITY_T standard errors of zero, or at the cap; stops to promote when, from
-    FIRST_LOOK pairs on, the t statistic passes the one-sided quantile at alpha / looks and the
-    mean gain is above `min_delta` (a number the lab asked for; 0 with `auto`).
+    lies within FUTILITY_T standard errors of zero, or at `cap` where its 95 % interval allows
+    no effect or a loss; stops to promote when, from FIRST_LOOK pairs on, the t statistic
+    passes the one-sided quantile at its share of alpha (split over the looks to
+    `hard_cap(cap)`) and the mean gain is above `min_delta` (a number the lab asked for; 0 with
+    `auto`). Past `cap`, a decision whose interval excludes no effect goes on; at
+    `hard_cap(cap)` it ends `undecided`, saying how many more pairs would likely decide it.
     """
     n = len(gains)
     g = mean(gains)
     sd = spread(gains) if n >= 2 else None
     se = math.inf if sd is None else sd / math.sqrt(n)
     t = (math.inf if g > 0 else -math.inf) if se == 0 else (g / se if math.isfinite(se) else 0.0)
-    crit = t_crit(n - 1, alpha * look_share(n, cap)) if n >= FIRST_LOOK else math.inf
+    last = hard_cap(cap)
+    crit = t_crit(n - 1, alpha * look_share(n, last)) if n >= FIRST_LOOK else math.inf
     half = t_crit(n - 1, 0.025) * se if n >= 2 and se > 0 else (0.0 if se == 0 else math.inf)
     step = dict(pairs=n, gain=g, standard_error=se, t=t, critical=crit, low=g - half,
                 high=g + half, alpha=alpha)
@@ -221,9 +287,29 @@ def decide(gains: list[float], alpha: float = ALPHA, cap: int = MAX_PAIRS,
             return Step("promote", why="a real gain", **step)
         return Step("reject", why=f"a real gain, but not above promotion.minDelta {min_delta:g}",
                     **step)
-    if n >= cap:
+    if n >= cap and step["low"] <= 0:
         return Step("reject", why=f"not shown within the cap of {cap} pairs", **step)
+    if n >= last:
+        return Step("undecided", why=f"a gain its interval keeps above zero, not shown at its "
+                                     f"level within {n} pairs", more_pairs=_more_pairs(
+                                         g, sd or 0.0, n, alpha, last), **step)
+    if n >= cap:
+        return Step("continue", why=f"past the cap of {cap} pairs, its interval excludes no "
+                                    f"effect: up to {last} pairs", **step)
     return Step("continue", why="one more pair decides", **step)
+
+
+def _more_pairs(gain: float, sd: float, n: int, alpha: float, last: int) -> int:
+    """About how many more pairs a decision with this mean gain and spread would need for its t
+    to pass the last look's quantile (the gain and spread taken as they are)."""
+    if gain <= 0 or sd <= 0:
+        return 1
+    need = n
+    while need < 100 * max(1, n):
+        need += 1
+        if gain * math.sqrt(need) / sd > t_crit(need - 1, alpha * look_share(last, last)):
+            break
+    return need - n
 
 
 def one_pair(gain: float, min_delta: float) -> Step:

@@ -51,14 +51,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.core import figures
-from controller.core.noise import MAX_ATTEMPTS, Step, decide, mean, one_pair, test_alpha
+from controller.core.noise import (MAX_ATTEMPTS, Step, decide, hard_cap, mean, one_pair,
+                                   test_alpha)
 from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
 from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FAILED,  # noqa: F401
                                     HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
-                                    NOT_MEASURED, RUNNING, SUCCEEDED, TERMINAL, Condition,
-                                    Reason)
+                                    NOT_MEASURED, RUNNING, SUCCEEDED, TERMINAL, UNDECIDED,
+                                    Condition, Reason)
+
+# How often one run (a program at a place) is submitted again after it was lost for a reason
+# outside the candidate: its process, Pod or Job gone, the machine or node lost or preempted, the
+# controller restarted elsewhere, the evaluator lost. Three: preemptions come in bursts, and a
+# fourth loss in a row says the machine, not the weather, is at fault (RunsLost).
+LOST_RETRIES = 3
 
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -152,6 +159,13 @@ class World:
     # Which test against the current master this experiment's would be (1: the first): the
     # engine counts the experiments that began one against it. It sets the test's level.
     tries: int = 1
+    # The level this experiment's test would run at if it began now (the engine's online FDR
+    # control, `controller.core.noise.lord_level`); None: the older rule, `test_alpha(tries)`.
+    level: float | None = None
+    # Values of this same candidate, on this same master, at places 1..k, from decisions of it
+    # that ended without a verdict (Undecided, RunsLost): (experiments, {place: val_bpb}). A
+    # decision that has not begun takes them and goes on from place k + 1.
+    carried: tuple[tuple[str, ...], dict] | None = None
     # Randomness for what must be secret from a candidate: the order of the two runs at a place
     # (`next_run`). Drawn when the front end builds the World, so reconcile stays a function of
     # its input and tests can pin it.
@@ -358,8 +372,17 @@ def next_run(name: str, st: dict, master: Master | None = None) -> dict:
     after some places still has to guess that coin (tests/adversarial/README.md).
 
     The place's harness seed is the engine's (`controller.core.noise.place_seed`, from the
-    lab's secret): the status holds only the place.
+    lab's secret): the status holds only the place. A run lost at its place (`status.lostRuns`)
+    is run again there as `<run>-t2`, `-t3`, ... (`base`: the name it stands in for).
     """
+    nxt = _next_base(name, st, master)
+    tries = sum(1 for lost in st.get("lostRuns") or [] if lost.get("base") == nxt["name"])
+    if tries:  # run again after a loss: a name of its own, so the lost try's record stays
+        nxt = {**nxt, "base": nxt["name"], "name": f"{nxt['name']}-t{tries + 1}"}
+    return nxt
+
+
+def _next_base(name: str, st: dict, master: Master | None) -> dict:
     main = run_name(name, int(st.get("attempt") or 1))
     p = st.get("pairs")
     if not p:
@@ -415,6 +438,8 @@ def _reconcile_active(s: _Step) -> Decision:
             s.condition(Condition.SCHEDULED, False, Reason.WAITING_FOR_BASELINE,
                         "The master has no measured val_bpb yet; its baseline run comes first.")
             return s.decision()
+        if not p and w.carried and st.get("parentHash") == w.master.hash:
+            return _continue(s)
         nxt = next_run(w.name, st, w.master if w.master.hash == st.get("parentHash") else None)
         if nxt["program"] == "master" and w.master.hash == st.get("parentHash") \
                 and w.master.place(nxt["place"]) is not None:
@@ -439,12 +464,15 @@ def _reconcile_active(s: _Step) -> Decision:
         backend = (w.spec.backend if w.spec and w.spec.backend else w.lab.backend)
         st["job"] = {"backend": backend, "name": nxt["name"], "slot": w.slot,
                      "program": nxt["program"], "place": nxt["place"]}
-        if nxt["place"] == 1:
+        if "base" in nxt:
+            st["job"]["base"] = nxt["base"]
+        claim = False
+        if nxt["place"] == 1 and not p:
             st["run"] = nxt["name"]
             # What this run is judged against: the master's value at place 1, and which test
             # against that master this decision is (its level).
             st["parentValBpb"] = w.master.place(1)
-            st["tries"] = w.tries
+            claim = _begin_test(w, st)
         what = "" if nxt["place"] == 1 else f" ({nxt['program']}, place {nxt['place']})"
         s.condition(Condition.SCHEDULED, True, Reason.SUBMITTED,
                     f"Run {nxt['name']}{what} submitted to {backend} on slot {w.slot}.")
@@ -452,9 +480,15 @@ def _reconcile_active(s: _Step) -> Decision:
                                                           f"slot {w.slot}."))
         s.intents.append(Intent("submit", {"run": nxt["name"], "slot": w.slot,
                                            "backend": backend, "program": nxt["program"],
-                                           "place": nxt["place"]}))
+                                           "place": nxt["place"], "claim": claim}))
         return s.decision()
     run = w.run
+    if run is not None and run.state == "missing" and job.get("id"):
+        # Seen running once (it has an id), now gone: its process, Pod or Job vanished (a node
+        # lost, a Job deleted, a lab moved to another machine). Lost: its place runs again.
+        return _reconcile_finished(s, RunObservation(
+            run.name, "lost", message=f"run {job['name']} ({job.get('id')}) is gone from its "
+                                      f"backend ({job.get('backend')})"))
     if run is None or run.state == "missing":
         # Submitted but not visible (a crash before the backend saw it, or a lagging cache):
         # submitting again adopts the run if it exists, creates it if it does not.
@@ -520,7 +554,9 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
         return _settle_terminal(s)
     if st.get("pairs"):
         return _pair_run_finished(s, run)
-    if run.state in ("failed", "error", "lost"):
+    if run.state in ("error", "lost"):  # not the candidate's doing: its place is run again
+        return _lost(s, run)
+    if run.state == "failed":
         reason = {"failed": Reason.CANDIDATE_FAILED, "error": Reason.INFRASTRUCTURE_ERROR,
                   "lost": Reason.RUN_LOST}[run.state]
         code = (run.result or {}).get("reason_code")
@@ -548,7 +584,7 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
     # about (ABBA), from a side drawn now (see `next_run`).
     phase = random.Random(w.entropy).random() < 0.5
     st["pairs"] = {"candidate": [val], "master": [] if base is None else [base],
-                   "masterFirst": [q for q in range(2, w.lab.pairs_cap + 1)
+                   "masterFirst": [q for q in range(2, hard_cap(w.lab.pairs_cap) + 1)
                                    if (q + phase) % 2 == 1]}
     return _judge(s)
 
@@ -560,18 +596,14 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     program = job.get("program", "candidate")
     val = ((run.result or {}).get("metrics") or {}).get(w.lab.metric)
     ok = run.state == "succeeded" and _finite(val)
+    if not ok and (program == "master" or run.state in ("error", "lost")):
+        # Not the candidate's doing: the master's run, or the machine. The place is run again;
+        # the pairs so far stay.
+        return _lost(s, run)
     row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
     s.intents.append(Intent("record", {"row": row}))
     if not ok:
         why = (run.result or {}).get("reason") or run.message or run.state
-        if program == "master" or run.state in ("error", "lost"):
-            # Not the candidate's doing: the master's run, or the machine. Nothing is held
-            # against the candidate; its row says error, so it may run again.
-            msg = (f"pair run {job['name']} ({program}, place {job.get('place')}) ended without "
-                   f"a {w.lab.metric} ({why}): no verdict. Nothing is held against the "
-                   "candidate: apply it again under a new name.")
-            s.phase(FAILED, Reason.PAIR_RUN_LOST, msg, warning=True)
-            return _settle_terminal(s)
         msg = (f"pair run {job['name']} (the candidate, place {job.get('place')}) failed "
                f"({why}): no verdict, so no promotion.")
         st["outcome"] = REJECTED
@@ -583,6 +615,99 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     if program == "master":
         s.intents.append(Intent("set-place", {"master": st.get("parentHash", ""),
                                               "place": job.get("place"), "val_bpb": val}))
+    return _judge(s)
+
+
+def _lost(s: _Step, run: RunObservation) -> Decision:
+    """A run ended without the harness's verdict on the candidate, for a reason outside it (its
+    process, Pod or Job gone; the machine, node, controller or evaluator lost; or the master's
+    own run failed): record the try as lost, and run the same program at the same place again,
+    keeping the pairs so far. After LOST_RETRIES such runs of one place, the experiment ends
+    Failed (RunsLost): not held against the candidate, and applied again it continues from
+    its pairs (`World.carried`)."""
+    w, st = s.w, s.st
+    job = st["job"]
+    program, place = job.get("program", "candidate"), job.get("place", 1)
+    base = job.get("base") or job["name"]
+    why = (run.result or {}).get("reason") or run.message or run.state
+    lost = st.setdefault("lostRuns", [])
+    lost.append({"run": job["name"], "base": base, "program": program, "place": place,
+                 "state": run.state, "reason": str(why)[:300], "at": w.now})
+    tries = sum(1 for x in lost if x.get("base") == base)
+    what = f"run {job['name']} ({program}, place {place})"
+    final = tries > LOST_RETRIES
+    if not (final and not st.get("pairs")):  # a first run's last try is the experiment's row
+        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
+                                                          status="lost")}))
+    if final:
+        n = len((st.get("pairs") or {}).get("candidate") or [])
+        msg = (f"{what} was lost {tries} times ({why}): no verdict, and nothing is held against "
+               f"the candidate. Apply the same change again under a new name: it continues "
+               f"from its {n} pair{'s' if n != 1 else ''}." if n else
+               f"{what} was lost {tries} times ({why}): no verdict, and nothing is held against "
+               "the candidate. Fix the machine (see the run's log), then apply the same change "
+               "again under a new name.")
+        s.phase(FAILED, Reason.RUNS_LOST, msg, warning=True)
+        return _settle_terminal(s)
+    msg = (f"{what} was lost ({why}); it runs again at the same place "
+           f"(try {tries + 1} of {LOST_RETRIES + 1}); the pairs so far stay.")
+    s.events.append(Event("Warning", Reason.RUN_RETRIED, msg))
+    _next_run(s)
+    if st.get("pairs"):
+        s.condition(Condition.CONFIRMING, True, Reason.RUN_RETRIED, msg)
+        s.phase(CONFIRMING, Reason.RUN_RETRIED, msg)
+    else:
+        s.phase(QUEUED, Reason.RUN_RETRIED, msg)
+    return s.decision()
+
+
+def _begin_test(w: World, st: dict) -> bool:
+    """This decision's test begins: keep its level (and its number against the master) on the
+    status. True: the engine counts it (the `claim` of its submit)."""
+    st["tries"] = w.tries
+    if w.level is not None:
+        st["level"] = w.level
+    return True
+
+
+def _level(st: dict) -> float:
+    """The level of this decision's test: the one kept when it began; a status of an older
+    controller has only its number against the master (`test_alpha`)."""
+    level = st.get("level")
+    if isinstance(level, (int, float)) and not isinstance(level, bool) and 0 < level < 1:
+        return float(level)
+    return test_alpha(int(st.get("tries") or 1))
+
+
+def _continue(s: _Step) -> Decision:
+    """Begin with the pairs an unfinished decision of this same candidate on this same master
+    measured (Undecided, or ended by lost runs): its values at places 1..k against the master's,
+    as a new test (its own level), which goes on from place k + 1."""
+    w, st = s.w, s.st
+    names, values = w.carried
+    places = []
+    for i in range(1, len(values) + 1):
+        v, m = values.get(i), w.master.place(i)
+        if v is None or m is None:
+            break
+        places.append((v, m))
+    if not places:
+        return s.decision()
+    claim = _begin_test(w, st)
+    st["run"] = run_name(w.name, int(st.get("attempt") or 1))
+    st["parentValBpb"] = w.master.place(1)
+    st["continues"] = list(names)
+    st["metrics"] = {w.lab.metric: places[0][0]}
+    phase = random.Random(w.entropy).random() < 0.5
+    st["pairs"] = {"candidate": [v for v, _ in places], "master": [m for _, m in places],
+                   "masterFirst": [q for q in range(len(places) + 1, hard_cap(w.lab.pairs_cap) + 1)
+                                   if (q + phase) % 2 == 1]}
+    msg = (f"Continues {', '.join(names)}: the same candidate on the same master, "
+           f"{len(places)} pair{'s' if len(places) != 1 else ''} carried; a new test.")
+    s.events.append(Event("Normal", Reason.CONTINUED, msg))
+    s.condition(Condition.CHECKED, True, Reason.CONTINUED, msg)
+    if claim:
+        s.intents.append(Intent("claim-test", {}))
     return _judge(s)
 
 
@@ -601,9 +726,8 @@ def _judge(s: _Step) -> Decision:
                                     "comes next.")
         p["master"].append(w.master.place(n))
     gains = [m - c for m, c in zip(p["master"], p["candidate"])]
-    alpha = test_alpha(int(st.get("tries") or 1))
     step = one_pair(gains[0], w.lab.min_gain) if w.lab.one_pair_decides \
-        else decide(gains, alpha, w.lab.pairs_cap, w.lab.min_gain)
+        else decide(gains, _level(st), w.lab.pairs_cap, w.lab.min_gain)
     st["delta"] = round(-step.gain, 6)
     st["masterValBpb"] = st.get("parentValBpb") if st.get("parentValBpb") is not None \
         else p["master"][0]
@@ -640,8 +764,9 @@ def _verdict(step: Step, tries: int, cap: int) -> dict:
     return {"decision": step.decision, "pairs": step.pairs, "gain": r(step.gain),
             "standardError": r(step.standard_error), "t": r(step.t),
             "critical": r(step.critical), "interval": [r(step.low), r(step.high)],
-            "alpha": round(step.alpha, 6), "tries": tries, "cap": cap,
-            "why": step.why, "explain": step.explain()}
+            "alpha": round(step.alpha, 8), "tries": tries, "cap": cap,
+            "why": step.why, "explain": step.explain(),
+            **({"morePairs": step.more_pairs} if step.decision == "undecided" else {})}
 
 
 def _decide(s: _Step) -> Decision:
@@ -664,6 +789,16 @@ def _decide(s: _Step) -> Decision:
         # The compare-and-swap found another promotion landed first: as a master that moved
         # during the run, measure it again on the new master (issue: never lost to a race).
         return _follow_up(s, "its pairs showed a gain, and another promotion landed first")
+    if v["decision"] == "undecided" and w.promotion is None:
+        n = v.get("pairs") or 0
+        msg = (f"{v['explain']}. Not a measured rejection: apply the same change again under a "
+               f"new name and it continues from these {n} pairs.")
+        st["outcome"] = UNDECIDED
+        s.condition(Condition.CONFIRMING, False, Reason.UNDECIDED, v["explain"])
+        s.condition(Condition.PROMOTED, False, Reason.UNDECIDED, msg)
+        s.phase(SUCCEEDED, Reason.UNDECIDED, msg)
+        st["verdict"] = Reason.UNDECIDED
+        return _settle_terminal(s)
     promoted = (w.promotion.promoted if w.promotion is not None
                 else w.master.experiment == w.name)
     st["outcome"] = PROMOTED if promoted else REJECTED
@@ -708,8 +843,7 @@ def _master_moved(s: _Step) -> Decision:
     n = min(len(p["candidate"]), len(p["master"]))
     if n and not w.lab.one_pair_decides:
         gains = [m - c for m, c in zip(p["master"][:n], p["candidate"][:n])]
-        step = decide(gains, test_alpha(int(st.get("tries") or 1)), w.lab.pairs_cap,
-                      w.lab.min_gain)
+        step = decide(gains, _level(st), w.lab.pairs_cap, w.lab.min_gain)
         if step.decision == "reject":
             p["verdict"] = _verdict(step, int(st.get("tries") or 1), w.lab.pairs_cap)
             return _decide(s)
@@ -751,7 +885,7 @@ def _follow_up(s: _Step, why: str) -> Decision:
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val,
                                           "pairs": len(p.get("candidate") or [])})
     for k in ("job", "metrics", figures.STATUS_FIELD, "delta", "masterValBpb", "parentValBpb",
-              "pairs", "tries", "confirm", "verdict"):
+              "pairs", "tries", "level", "confirm", "verdict", "lostRuns", "continues"):
         st.pop(k, None)
     st["attempt"] = attempt + 1
     st["run"] = run_name(w.name, attempt + 1)
@@ -798,6 +932,8 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
     status = phase.lower()
     if phase == FAILED and st.get("reason") in NOT_MEASURED:
         status = "error"  # not a measurement of the candidate: it may run again
+    if st.get("outcome") == UNDECIDED:
+        status = "undecided"  # not a measured rejection either: applied again, it continues
 
     def num(key: str) -> str:
         v = metrics.get(key)
@@ -833,18 +969,21 @@ def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
 
 
 def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
-             run: RunObservation, val: float | None) -> dict:
-    """The ledger row of one pair run after the first (status `confirm`; `error` or `failed`
-    if it failed). A master's run carries the master's hash: it measures that program.
+             run: RunObservation, val: float | None, status: str | None = None) -> dict:
+    """The ledger row of one pair run after the first (status `confirm`; `failed` if the
+    candidate failed it), or of any run lost for a reason outside the candidate (`lost`: not
+    a measurement; its place is run again). A master's run carries the master's hash: it
+    measures that program.
     """
     program = job.get("program", "candidate")
     metrics = (run.result or {}).get("metrics") or {}
-    status = "confirm" if val is not None else ("error" if run.state in ("error", "lost")
-                                                 else "failed")
+    status = status or ("confirm" if val is not None else "failed")
     row = {"run_id": job["name"], "status": status, "job_id": run.job_id or job.get("id", ""),
            "campaign": spec.campaign if spec else "", "experiment_id": name,
            "worker_id": run.worker or job.get("worker", ""),
-           "hypothesis": f"Pair run of {name}: the {program} at place {job.get('place')}.",
+           "hypothesis": (f"Lost run of {name}: the {program} at place {job.get('place')}."
+                          if status == "lost" else
+                          f"Pair run of {name}: the {program} at place {job.get('place')}."),
            "parent_hash": st.get("parentHash", ""),
            "candidate_hash": st.get("candidateHash", "") if program == "candidate"
            else st.get("parentHash", ""),
@@ -867,6 +1006,46 @@ FIGURE_COLUMNS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb"
 def _own_columns(own: set[str], row: dict) -> str:
     """The ledger's self_reported cell: the row's filled figure columns that are the candidate's."""
     return figures.column(k for k in FIGURE_COLUMNS if k in own and row.get(k, "") != "")
+
+
+def carried_values(rows: list[dict], candidate_hash: str, parent_hash: str,
+                   name: str) -> tuple[tuple[str, ...], dict] | None:
+    """What unfinished decisions of this candidate on this master measured (`World.carried`).
+
+    From the ledger `rows`: experiments other than `name` whose verdict row says `undecided` or
+    `error` (no verdict: runs lost, the machine) for `candidate_hash`, and their runs of that
+    program on `parent_hash` with a value, by place: `exp-<e>-<attempt>` is place 1,
+    `exp-<e>-<attempt>-p<i>` place i (a `-t<k>` retry is the same place). None: nothing.
+    """
+    if not candidate_hash or not parent_hash:
+        return None
+    unfinished = []
+    for r in rows:
+        e = r.get("experiment_id") or ""
+        if r.get("candidate_hash") == candidate_hash and e != name and e not in unfinished \
+                and r.get("status") in ("undecided", "error") \
+                and r.get("run_id", "").startswith(f"exp-{e}-"):
+            unfinished.append(e)
+    values: dict[int, float] = {}
+    for r in rows:
+        e = r.get("experiment_id") or ""
+        if e not in unfinished or r.get("candidate_hash") != candidate_hash \
+                or r.get("parent_hash") != parent_hash:
+            continue
+        rest = (r.get("run_id") or "")[len(f"exp-{e}-"):].split("-")
+        if rest and rest[-1][:1] == "t" and rest[-1][1:].isdigit():
+            rest = rest[:-1]
+        if not rest or not rest[0].isdigit() or len(rest) > 2 \
+                or (len(rest) == 2 and not (rest[1][:1] == "p" and rest[1][1:].isdigit())):
+            continue
+        place = int(rest[1][1:]) if len(rest) == 2 else 1
+        try:
+            val = float(r.get("val_bpb") or "")
+        except ValueError:
+            continue
+        if _finite(val):
+            values.setdefault(place, val)
+    return (tuple(unfinished), values) if values else None
 
 
 # --- the baseline of a master that has no metric yet ------------------------------------------

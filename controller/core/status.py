@@ -26,6 +26,10 @@ INVALID, DUPLICATE, CONFLICT = "Invalid", "Duplicate", "Conflict"
 TERMINAL = (INVALID, DUPLICATE, CONFLICT, SUCCEEDED, FAILED, CANCELLED)
 ACTIVE = (QUEUED, RUNNING, CONFIRMING)
 PROMOTED, REJECTED = "Promoted", "Rejected"  # the outcome of a Succeeded experiment
+# ... or Undecided: its pairs kept a gain inside their interval but did not show it at its level
+# by the hard cap. Not a measured rejection: the same candidate may be applied again, and
+# continues from these pairs.
+UNDECIDED = "Undecided"
 
 
 # --- reasons -----------------------------------------------------------------------------------
@@ -63,6 +67,10 @@ class Reason:
     WITHIN_NOISE = "WithinNoise"  # its pairs show no gain (the test's verdict, or its cap)
     NOT_CONFIRMED = "NotConfirmed"  # a pair run of the candidate failed: no verdict
     NEAR_DUPLICATE = "NearDuplicate"  # moves a constant the way a rejected experiment did
+    RUN_RETRIED = "RunRetried"    # a run was lost (machine, node, controller): run again, same place
+    RUNS_LOST = "RunsLost"        # one run was lost more often than LOST_RETRIES: no verdict
+    CONTINUED = "Continued"       # it took the pairs of the same candidate's unfinished decision
+    UNDECIDED = UNDECIDED
     PROMOTED = PROMOTED
     REJECTED = REJECTED
     DELETED = "Deleted"
@@ -92,7 +100,8 @@ HARNESS_REASONS = {
 # Failed reasons that measured nothing about the candidate (the infrastructure failed, or the
 # run was lost): their ledger row says "error", which does not count as measured, so the same
 # candidate may run again.
-NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST, Reason.PAIR_RUN_LOST) \
+NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST, Reason.PAIR_RUN_LOST,
+                Reason.RUNS_LOST) \
     + HARNESS_REASONS["error"]
 
 

@@ -120,7 +120,7 @@ NO_EFFECT_HEADER = ("# No measurable effect\n\nChanges whose difference from the
                     "or combined version may still be worth a run.\n")
 # Ledger rows that are not an experiment's verdict: repeat runs, and the first run of a
 # follow-up (its experiment runs again on the new master).
-NOT_A_VERDICT_STATUSES = ("confirm", "noise")
+NOT_A_VERDICT_STATUSES = ("confirm", "noise", "lost")
 NOT_A_VERDICT_REASONS = ("FollowUp",)
 
 
