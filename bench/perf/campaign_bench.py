@@ -51,8 +51,9 @@ Sources of the numbers
   not in the index searched) as quoted by public write-ups found with the search tool (a seed
   file of an "autoresearch registry" that lists all 23 kept rows with before/after values, and
   an analysis of origin/exp/H100/mar8's results.tsv): 126 rows = 23 keep, 102 discard, 1 crash
-  (keep rate 23/125 = 18 %, crash rate 1/126), val_bpb 0.997900 -> 0.969686. The 23 kept deltas are KEPT_DELTAS below (their sum,
-  0.0285, is the session's 0.0282 within the rounding of a reset baseline); the largest two
+  (keep rate 23/125 = 18 %, crash rate 1/126), val_bpb 0.997900 -> 0.969686. The 23 kept
+  deltas are KEPT_DELTAS below (their sum, 0.0285, is the session's 0.0282 but for one kept
+  row measured after a reset baseline); the largest two
   (batch 524K -> 262K, depth 9) change how much data a run reads. LOSER_DELTAS are the session's
   "notable discards" (parallel attn+MLP +0.0110, MQA +0.0079, VE on the last 3 layers +0.0069,
   removing the cautious WD mask +0.0055, x0 skip off +0.0038, 5 % warmup +0.0008; weight tying
@@ -486,7 +487,7 @@ class PairedLab:
                 self.finish(x)
                 continue
             self.queue.append(x)
-        self.queue.sort(key=lambda x: x.cand.index)
+        self.queue.sort(key=lambda x: x.cand.index)  # the queue's order: creation (as Kueue)
 
     def simulate(self) -> Tally:
         while self.step():
