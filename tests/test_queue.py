@@ -320,25 +320,32 @@ def test_one_slot_serves_specs_in_the_order_applied_and_new_ideas_between_a_deci
 # --- the operator ---------------------------------------------------------------------------------
 
 async def test_the_operator_queues_by_creation_time_and_shows_the_queue_on_the_lab(cluster):
-    """One slot in a cluster: Experiments created a second apart (creationTimestamp has whole
-    seconds) get it in the order created, not by name, and the Lab's status.queue lists those
-    waiting, in order."""
+    """One slot in a cluster, held by a run: Experiments created a second apart meanwhile
+    (creationTimestamp has whole seconds) wait in the order created, not by name; the Lab's
+    status.queue lists them in that order, and the freed slot goes to the first of them."""
     import asyncio
 
-    from test_operator import EXP, JOBS, LAB, LABS, experiment, operator, seed_lab
+    from test_operator import EXP, JOBS, LAB, LABS, experiment, operator, result, seed_lab
 
     c = cluster
     seed_lab(c.root, 1.0)
     await c.apply("labs", {**LAB, "spec": {**LAB["spec"], "capacity": {"gpuSlots": 1}}})
     async with operator(c):
-        for i, (name, new) in enumerate((("zz-first", "0.03"), ("mm-second", "0.04"),
-                                         ("aa-third", "0.05"))):
-            if i:
-                await asyncio.sleep(1.05)  # another second
+        await c.apply("experiments", experiment("blocker", "WARMDOWN_RATIO = 0.5",
+                                                "WARMDOWN_RATIO = 0.4"))
+        await c.until("the blocker's Job", lambda: c.get(JOBS, "exp-blocker-1"))
+        names = ["zz-first", "mm-second", "aa-third"]
+        for name, new in zip(names, ("0.03", "0.04", "0.05")):
+            await asyncio.sleep(1.05)  # another second
             await c.apply("experiments", experiment(name, "MATRIX_LR = 0.02",
                                                     f"MATRIX_LR = {new}"))
-        await c.until("the first Job", lambda: c.get(JOBS, "exp-zz-first-1"))
+        await c.until("all three queued", lambda: all(c.phase(n) == "Queued" for n in names))
         await c.until("the queue on the Lab", lambda: (c.get(LABS, "default") or {}).get(
-            "status", {}).get("queue") == ["mm-second", "aa-third"])
-        assert c.get(JOBS, "exp-aa-third-1") is None and c.get(JOBS, "exp-mm-second-1") is None
+            "status", {}).get("queue") == names)
+        pod = await c.start_pod("exp-blocker-1")
+        await c.finish_pod(pod, result(1.05), exit_code=0)
+        await c.until("the first one's Job", lambda: c.get(JOBS, "exp-zz-first-1"))
+        await c.until("the rest of the queue", lambda: (c.get(LABS, "default") or {}).get(
+            "status", {}).get("queue") == names[1:])
+        assert c.get(JOBS, "exp-mm-second-1") is None and c.get(JOBS, "exp-aa-third-1") is None
         assert c.get(EXP, "aa-third")["status"]["phase"] == "Queued"
