@@ -46,7 +46,10 @@ The policies, decided here once:
   are reported (SpecChangeIgnored) and ignored.
 - Slots. One slot book per lab, filled from the statuses as written; the core
   asks for a slot (`acquire-slot`) only when it would submit, and the book
-  answers by priority, then first come. Capacity is the backend's: the
+  answers by priority, then creation time (when the user applied it; the
+  front end's `Observed.created`), with a decision's pair runs one experiment
+  at a time and a first run never waiting behind more than
+  `slots.FIRST_RUN_EVERY` of them. Capacity is the backend's: the
   machine's GPUs (local), `gpuSlots` jobs at once (Hugging Face; one when
   unset), `gpuSlots` or the cluster's scheduler (Kubernetes).
 - Checks at once. A front end with a batch of new specs starts their checks
@@ -132,6 +135,7 @@ class Observed:
     deleting: bool = False
     spec_error: str | None = None  # the front end's own refusal of the spec (schema, backend)
     owner: dict | None = None      # in a cluster: the ownerReference of what its run creates
+    created: str = ""              # when the user applied it: its place in the queue (slots.py)
 
 
 class StatusStore(Protocol):
@@ -281,14 +285,16 @@ class Engine:
         return self.backends[name]
 
     # -- the slot book -----------------------------------------------------------------------------
-    def observe_all(self, observed: list[tuple[str, dict, int]]) -> None:
-        """Fill the slot book afresh from (name, status, priority) as written."""
-        self.book = SlotBook(self.slot_ids())
-        for name, status, priority in observed:
+    def observe_all(self, observed: list[tuple[str, dict, int, str]]) -> None:
+        """Fill the slot book afresh from (name, status, priority, created) as written."""
+        book = SlotBook(self.slot_ids())
+        for name, status, priority, created in observed:
             try:
-                self.book.observe(name, status, priority)
+                book.observe(name, status, priority, created)
             except Exception:  # a status too broken to read holds nothing
-                self.book.forget(name)
+                book.forget(name)
+        book.carry(self.book)
+        self.book = book
 
     def duplicate_of(self, name: str, c: Candidate) -> str | None:
         """What a checked candidate repeats: the master, a measured run, or a run in flight."""
@@ -432,7 +438,7 @@ class Engine:
             self.book.forget(name)
             return
         try:
-            self.book.observe(name, obs.status, _priority(obs.spec))
+            self.book.observe(name, obs.status, _priority(obs.spec), obs.created)
         except Exception:
             self.book.forget(name)
 
@@ -519,7 +525,7 @@ class Engine:
                 untold += decision.events
             if decision.status != st:
                 st = decision.status
-                self.book.observe(name, st, priority)
+                self.book.observe(name, st, priority, obs.created)
             if st != written and not only_a_slot and not first_before_checks and not submitting:
                 self._tell(name, untold)
                 written = self._store(name, st, written)
@@ -537,7 +543,8 @@ class Engine:
                             near = tuple(near_duplicates(self.repo, self.ledger.rows(),
                                                          spec.diff, name, self._changes))
                 elif intent.kind == "acquire-slot":
-                    slot = self.book.grant(name, a["priority"], a["queued_at"] or w.now,
+                    slot = self.book.grant(name, a["priority"],
+                                           obs.created or st.get("createdAt") or w.now,
                                            confirm=a.get("confirm", False)) \
                         if schedule else None
                     waiting = slot is None

@@ -16,6 +16,14 @@ status goes once the ledger has the row.
 Each experiment is reconciled under its own file lock, so `autolab delete`
 can act while `autolab run` is looping, and two loops never double-submit.
 
+An experiment's place in the queue comes from when it was created
+(`core/slots.py`): its record's `metadata.creationTimestamp`, to the
+microsecond, stamped once when the record is made: by `autolab apply`
+(`LocalLab.apply_file`; one apply's specs get increasing stamps, in the order
+given), or, for a spec file written by hand, the file's modification time when
+the loop first reads it. A record made before there were such stamps has the
+status's `createdAt` (when the loop first saw it) instead.
+
 A LocalLab holds processes of its own (the runs it started ahead of their
 turn, its repo's git plumbing): code that uses it as a library ends it with
 `close()` or `with LocalLab(root) as lab:`. Submitted runs are not its: they
@@ -41,10 +49,11 @@ from controller.backends.local import LocalBackend, visible_slots
 from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
+from controller.core.slots import SlotBook, instant
 from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
-from controller.lab.clock import utcnow
+from controller.lab.clock import precise, utcnow
 from controller.lab.paths import LAB_FILE, LabPaths
 from controller.lab.repo import atomic_write
 
@@ -55,6 +64,38 @@ LAB_EVENTS = "_lab.jsonl"  # the lab's own events (a name no experiment can have
 
 def spec_digest(spec: dict) -> str:
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def created_of(record: dict) -> str:
+    """When the experiment of `record` was created: its place in the queue."""
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    status = record.get("status") if isinstance(record.get("status"), dict) else {}
+    return str(meta.get("creationTimestamp") or status.get("createdAt") or "")
+
+
+def queue_places(records: dict[str, dict]) -> dict[str, int]:
+    """Each waiting experiment's place in the lab's queue (1: the next slot is its), from the
+    records as written, by the slot book's own rule (`SlotBook.queue`). What only the loop's
+    memory holds is not in a record: the runs its decision in progress had since a first run
+    are counted from 0, as a loop started now would."""
+    book = SlotBook(None)
+    for n, r in records.items():
+        spec = r.get("spec") if isinstance(r.get("spec"), dict) else {}
+        priority = spec.get("priority", 0)
+        try:
+            book.observe(n, r.get("status") or {}, priority if isinstance(priority, int) else 0,
+                         created_of(r))
+        except ValueError:  # a status that is not one waits for nothing
+            continue
+    return {n: i for i, n in enumerate(book.queue(), 1)}
+
+
+def file_created(path: Path) -> str:
+    """A spec file written by hand was created when it was last written."""
+    try:
+        return precise(path.stat().st_mtime_ns / 1e9)
+    except OSError:
+        return precise(time.time())
 
 
 def load_yaml_file(path: Path) -> list:
@@ -103,7 +144,9 @@ class LocalStatuses:
             return self.lab.load_specs().specs.get(name)
         return self.loaded.specs.get(name)
 
-    def read(self, name: str) -> Observed | None:
+    def read(self, name: str, created: str | None = None) -> Observed | None:
+        """The experiment as stored; a spec file seen for the first time gets its record now,
+        created at `created` (default: the file's modification time)."""
         lab = self.lab
         record = lab.read_record(name)
         sf = self.spec_file(name)
@@ -112,8 +155,9 @@ class LocalStatuses:
         if sf is not None and sf.doc is not None and trackable(sf.doc):
             digest = spec_digest(sf.doc.get("spec") or {})
             if not record:
-                record = {"metadata": {"name": name}, "generation": 1, "file": str(sf.path),
-                          "status": {}}
+                record = {"metadata": {"name": name,
+                                       "creationTimestamp": created or file_created(sf.path)},
+                          "generation": 1, "file": str(sf.path), "status": {}}
             if record.get("specDigest") != digest:
                 if record.get("specDigest") is not None:
                     record["generation"] = record.get("generation", 1) + 1
@@ -135,7 +179,7 @@ class LocalStatuses:
                      "through the operator: kubectl apply)")
         return Observed(name=name, key=name, spec=spec if isinstance(spec, dict) else None,
                         status=status, generation=int(record.get("generation", 1)),
-                        deleting=sf is None, spec_error=error)
+                        deleting=sf is None, spec_error=error, created=created_of(record))
 
     def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
         record = self.lab.read_record(name)
@@ -227,6 +271,7 @@ class LocalLab:
         self.repo = self.engine.repo
         self.ledger = self.engine.ledger
         self.backends = self.engine.backends
+        self._last_created = 0  # microseconds: the last creation time this process stamped
 
     def _make_backend(self, name: str):
         if name == "hf":
@@ -388,7 +433,7 @@ class LocalLab:
     def _observe_all(self) -> dict[str, dict]:
         records = {n: self._planning_record(n) for n in self.names()}
         self.engine.observe_all([(n, r.get("status") or {},
-                                  int((r.get("spec") or {}).get("priority", 0)))
+                                  int((r.get("spec") or {}).get("priority", 0)), created_of(r))
                                  for n, r in records.items()])
         return records
 
@@ -410,9 +455,8 @@ class LocalLab:
         records = self._observe_all()
         known = set(records)
         gone = {n for n in known if n not in loaded.specs}
-        order = sorted(loaded.specs, key=lambda n: (
-            (records.get(n, {}).get("status") or {}).get("createdAt") or "~",
-            loaded.specs[n].path.stat().st_mtime if loaded.specs[n].path.exists() else 0, n))
+        order = sorted(loaded.specs, key=lambda n: (  # creation order, as the queue's
+            instant(created_of(records.get(n, {})) or file_created(loaded.specs[n].path)), n))
         # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment.
         #    No slots yet: the new specs' priorities are weighed together in step 2.
         for n in sorted(gone):
@@ -497,9 +541,15 @@ class LocalLab:
                             f"are permanent once recorded: apply it under a new name, e.g. "
                             f"{next_name(name)}")
         atomic_write(target, _spec_yaml(doc))
-        with self._lock(name):
-            self.statuses.read(name)  # recorded now: Pending until the loop checks it
+        with self._lock(name):  # recorded now: Pending until the loop checks it
+            self.statuses.read(name, created=self._creation_stamp())
         return "created"
+
+    def _creation_stamp(self) -> str:
+        """Now, to the microsecond, and after every stamp this process gave before: the specs
+        of one `autolab apply` are queued in the order they were given in."""
+        self._last_created = max(time.time_ns() // 1000, self._last_created + 1)
+        return precise(self._last_created / 1e6)
 
     def stop_runs_started_ahead(self) -> None:
         """A run started up ahead of its turn (LocalBackend.start_next) waits at its first batch

@@ -17,6 +17,13 @@ Job and Pod watches and the finalizer all call the one engine pass.
         -> its Lab's engine: observe, reconcile(), act, until nothing is left
         -> kopf: a known failure is permanent until the object changes; others retry
 
+An Experiment's place in the queue comes from its `metadata.creationTimestamp`
+(`core/slots.py`: priority, then creation time, as Kueue orders workloads). The
+API server stamps it in whole seconds, so Experiments created in the same second
+(one `kubectl apply -f DIR`) are queued in name order: the name is the last
+tie-break, and only there. The Lab's `status.queue` lists the experiments that
+wait for a slot, in the order they get one.
+
 A Lab's handlers keep what the cluster side of a lab needs: its directory on
 the operator's volume (`$AUTOLAB_LAB_DIR/<lab>`: the lab repo with worktrees and
 branches, the ledger; created with `autolab init`'s code when missing), the
@@ -85,6 +92,7 @@ EXPERIMENTS = (GROUP, VERSION, "experiments")
 LABS = (GROUP, VERSION, "labs")
 FINALIZER = f"{GROUP}/finalizer"
 MASTER_MAX_AGE = 1.0  # seconds a pass may use a copy of the master ConfigMap
+QUEUE_SHOWN = 50  # the Lab's status.queue: its first names (the object stays small)
 EVENT_MESSAGE_MAX = 1000
 EVENT_NAME_MAX = 253  # a DNS subdomain
 COMPONENT = "autolab-operator"  # who tells the Events (`kubectl describe`'s From)
@@ -205,7 +213,8 @@ class ClusterStatuses:
         return Observed(name=name, key=meta.get("uid") or name, spec=live, status=status,
                         generation=int(meta.get("generation", 1)),
                         deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
-                        owner=owner_reference(obj) if meta.get("uid") else None)
+                        owner=owner_reference(obj) if meta.get("uid") else None,
+                        created=str(meta.get("creationTimestamp") or ""))
 
     def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
         # A merge patch keeps what it does not mention: a key the new status dropped is sent
@@ -567,7 +576,8 @@ class Operator:
                     spec = exp.get("spec") or {}
                     if spec.get("lab", "default") == lab:
                         rt.book.observe(exp["metadata"]["name"], exp.get("status") or {},
-                                        _priority(spec))
+                                        _priority(spec),
+                                        str(exp["metadata"].get("creationTimestamp") or ""))
                 except Exception as e:  # one malformed object must not keep the lab down
                     object_log(namespace, str((exp.get("metadata") or {}).get("name"))).warning(
                         "not counted in the slots of Lab %s: %s", lab, e)
@@ -681,7 +691,7 @@ class Operator:
         return rt
 
     def _mirror_lab(self, rt: LabRuntime) -> None:
-        """The Lab's status: the master of record and the runs in flight.
+        """The Lab's status: the master of record, the runs in flight and the queue.
 
         The master as read at most MASTER_MAX_AGE ago: a promotion or a baseline refreshes
         it before it tells the Lab, and a phase change (most calls) does not move it.
@@ -693,6 +703,7 @@ class Operator:
                        "experiment": d.get("experiment"), "promotedAt": d.get("promotedAt"),
                        "configMap": rt.store.name},
             "running": rt.book.in_flight(),
+            "queue": rt.book.queue()[:QUEUE_SHOWN],
             "noise": _noise_status(rt.engine.noise_record()),
             "observedGeneration": int(rt.lab_obj["metadata"].get("generation", 1)),
         }

@@ -180,14 +180,6 @@ def test_baseline_runs_are_named_per_lab_and_attempt():
     assert len(baseline_run_name("x" * 63, UNMEASURED, 3)) <= 63
 
 
-def test_slots_go_by_priority_then_first_come():
-    from controller.core.slots import allocate_slots
-
-    queued = [("a", 0, "t1"), ("b", 5, "t3"), ("c", 0, "t0"), ("d", 0, "t2")]
-    assert allocate_slots(queued, busy={"1"}, slots=["0", "1", "2"]) == {"b": "0", "c": "2"}
-    assert allocate_slots(queued, busy={"0", "1"}, slots=["0", "1"]) == {}
-
-
 @pytest.mark.parametrize("state, result, phase, row_status", [
     ("failed", {"status": "failed", "reason_code": "CandidateCrashed"}, "Failed", "failed"),
     ("failed", {"status": "failed", "reason_code": "BudgetExceeded"}, "Failed", "failed"),

@@ -64,23 +64,6 @@ def test_each_run_holds_its_own_gpu_and_frees_it_when_done(tmp_path, monkeypatch
         assert set(slots.values()) == {"0", "1"}, "the third run took the slot the first one freed"
 
 
-def test_confirmations_go_one_experiment_at_a_time_and_take_no_slot_from_first_runs():
-    from controller.core.slots import SlotBook, queue_priority
-    book = SlotBook(["0", "1", "2"])
-    boosted = queue_priority(0, "Confirming")  # what the core asks with while Confirming
-    confirming = {"phase": "Confirming", "pairs": {"candidate": [0.99], "master": [1.0]}}
-    book.observe("a", dict(confirming, queuedAt="t1"))
-    book.observe("b", dict(confirming, queuedAt="t2"))
-    assert book.grant("b", boosted, "t2", confirm=True) is None, "a was first in line"
-    assert book.grant("a", boosted, "t1", confirm=True) == "0"
-    book.observe("a", dict(confirming, queuedAt="t1",
-                           job={"backend": "local", "name": "exp-a-1-c1", "slot": "0"}))
-    assert book.grant("b", boosted, "t2", confirm=True) is None, "a's confirmation is under way"
-    assert book.grant("c", 0, "t3") is not None, "a first run still gets a free slot"
-    book.observe("a", {"phase": "Succeeded", "outcome": "Rejected"})  # a's verdict is in
-    assert book.grant("b", boosted, "t2", confirm=True) is not None
-
-
 def test_a_freed_gpu_goes_to_the_next_run_in_the_same_pass(tmp_path, monkeypatch):
     """The pass that records a finished run starts the queued one, whatever their names."""
     monkeypatch.setenv("AUTOLAB_GPUS", "0")

@@ -197,7 +197,7 @@ class Validator:
         self.seen: dict[str, str] = {}
         self._n = 0
         self._changes: dict[str, dict[str, str]] = {}
-        lab.engine.observe_all([(n, lab.read_record(n).get("status") or {}, 0)
+        lab.engine.observe_all([(n, lab.read_record(n).get("status") or {}, 0, "")
                                 for n in lab.names()])
 
     def _scratch_name(self) -> str:

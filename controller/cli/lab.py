@@ -18,7 +18,7 @@ from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import make_lab
 from controller.engine import BaselineFailed
-from controller.local import LocalLab, load_yaml_file
+from controller.local import LocalLab, load_yaml_file, queue_places
 from controller.cli.listing import select, sort_records
 from controller.cli.output import (CliError, activate_hint, autolab_command, gain_interval, item,
                                    number, one_line, print_table, printable, table_rows)
@@ -396,7 +396,9 @@ def lab_records(lab: LocalLab) -> dict[str, dict]:
         if sf.doc is None or not isinstance(sf.doc.get("metadata"), dict):
             continue
         if n in records:  # the labels are the spec file's (metadata may change; spec may not)
-            records[n] = {**records[n], "metadata": sf.doc["metadata"]}
+            created = (records[n].get("metadata") or {}).get("creationTimestamp")
+            records[n] = {**records[n], "metadata": {**sf.doc["metadata"], **(
+                {"creationTimestamp": created} if created else {})}}
         elif sf.error is None:
             records[n] = {"spec": sf.doc.get("spec") or {}, "status": {"phase": "Pending"},
                           "metadata": sf.doc["metadata"]}
@@ -422,8 +424,14 @@ def record_of(lab: LocalLab, name: str) -> dict:
 
 
 def listed(lab: LocalLab, a) -> dict[str, dict]:
-    """The experiments `get` shows: one by name, or all that match `-l`, in `--sort-by` order."""
+    """The experiments `get` shows: one by name, or all that match `-l`, in `--sort-by` order.
+
+    Each waiting one carries its place in the lab's queue (`status.queuePosition`, the QUEUE
+    column), worked out as it is listed: the controller stores no such field."""
     records = lab_records(lab)
+    places = queue_places(records)
+    records = {n: {**r, "status": {**(r.get("status") or {}), "queuePosition": places[n]}}
+               if n in places else r for n, r in records.items()}
     if a.name:
         if a.name not in records:
             raise not_found(lab, a.name, records)

@@ -5,8 +5,10 @@ A selector is kubectl's equality form, comma-separated and all required:
 Labels are the spec file's `metadata.labels`. `--sort-by` takes a field path of the
 Experiment as `-o json` prints it (`.status.metrics.val_bpb`, `{.status.delta}`;
 camelCase shorthands such as `.status.valBpb` name the metric of the same name) or a
-column of the table (`VAL_BPB`, `delta`, `age`). Experiments that lack the field go last,
-as kubectl puts them.
+column of the table (`VAL_BPB`, `delta`, `age`, `queue`). Experiments that lack the field go
+last, as kubectl puts them. QUEUE is a waiting experiment's place in the lab's queue (1: the
+next free slot is its), by the slot book's rule (`controller.core.slots.queue_order`); `-o
+json` carries it as `status.queuePosition`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
 COLUMNS = {
     "NAME": ".metadata.name", "PHASE": ".status.phase", "OUTCOME": ".status.outcome",
     "VAL_BPB": ".status.metrics.val_bpb", "DELTA": ".status.delta", "SLOT": ".status.job.slot",
+    "QUEUE": ".status.queuePosition",
     "CAMPAIGN": ".spec.campaign", "AGE": ".status.createdAt", "MFU": ".status.metrics.mfu_percent",
     "VRAM_MB": ".status.metrics.peak_vram_mb", "CANDIDATE": ".status.candidateHash",
     "PARENT": ".status.parentHash", "MESSAGE": ".status.message",

@@ -85,7 +85,7 @@ def figure(st: dict, key: str, nd: int = 1) -> str:
 
 
 def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
-    head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "CAMPAIGN", "AGE"]
+    head = ["NAME", "PHASE", "OUTCOME", "VAL_BPB", "DELTA", "SLOT", "QUEUE", "CAMPAIGN", "AGE"]
     if wide:
         head += ["MFU", "VRAM_MB", "CANDIDATE", "PARENT", "PAIRS", "GAIN", "MESSAGE"]
     out = []
@@ -95,6 +95,7 @@ def table_rows(rows, wide: bool = False) -> tuple[list[str], list[list[str]]]:
         line = [name, st.get("phase", "Pending"), st.get("outcome", ""),
                 _fmt((st.get("metrics") or {}).get("val_bpb")),
                 ("" if st.get("delta") is None else f"{st['delta']:+.6f}"), str(slot or ""),
+                str(st.get("queuePosition") or ""),  # its place in the queue, where it waits
                 spec.get("campaign", ""), _age(st.get("createdAt"))]
         if wide:
             pairs = st.get("pairs") if isinstance(st.get("pairs"), dict) else {}
@@ -123,6 +124,9 @@ def item(name: str, record: dict) -> dict:
     labels = (record.get("metadata") or {}).get("labels")
     if labels:
         meta["labels"] = labels
+    created = (record.get("metadata") or {}).get("creationTimestamp")
+    if created:
+        meta["creationTimestamp"] = created
     return {"apiVersion": API_VERSION, "kind": "Experiment", "metadata": meta,
             "spec": record.get("spec") or {}, "status": record.get("status") or {}}
 

@@ -53,7 +53,6 @@ from typing import Any
 from controller.core import figures
 from controller.core.noise import (MAX_ATTEMPTS, Step, decide, hard_cap, mean, one_pair,
                                    test_alpha)
-from controller.core.slots import queue_priority
 from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
 from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FAILED,  # noqa: F401
@@ -178,7 +177,7 @@ class World:
 class Intent:
     """One idempotent effect for the front end to carry out.
 
-    kinds: materialise, acquire-slot(priority, queued_at, confirm), submit(run, slot, backend,
+    kinds: materialise, acquire-slot(priority, confirm), submit(run, slot, backend,
     program, place), cancel(run), promote(run, val_bpb, places), set-place(master, place,
     val_bpb): the master's value at a place, measured by this experiment's run; record(row),
     cleanup, cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
@@ -451,9 +450,9 @@ def _reconcile_active(s: _Step) -> Decision:
                         "Waiting for a slot; decisions past their first pair go one experiment "
                         "at a time." if p else "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
+            # Its place in the queue is the book's (core/slots.py: priority, then creation).
             s.intents.append(Intent("acquire-slot", {
-                "priority": queue_priority(w.spec.priority if w.spec else 0, st.get("phase")),
-                "queued_at": st.get("queuedAt", ""), "confirm": bool(p)}))
+                "priority": w.spec.priority if w.spec else 0, "confirm": bool(p)}))
             return s.decision()
         if nxt["place"] == 1 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)

@@ -79,6 +79,10 @@ LAB_STATUS = {
                                                     "experiment, promotedAt.",
                    "x-kubernetes-preserve-unknown-fields": True},
         "running": {"type": "integer", "description": "Runs in flight."},
+        "queue": {"type": "array", "items": {"type": "string"},
+                  "description": "The Experiments waiting for a slot, in the order they get one "
+                                 "(priority, then creation time; a decision's pair runs one "
+                                 "experiment at a time)."},
         "noise": {"type": "object", "nullable": True,
                   "description": "What `autolab noise` measured on the current master (master): "
                                  "the spread across seeds (acrossSeeds), of the same seed twice "
