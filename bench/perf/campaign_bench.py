@@ -244,11 +244,15 @@ class Policy:
     cap: int = NEW_CAP
     fre: int | None = FIRST_RUN_EVERY  # confirmation runs before a waiting first run (None: never)
     reapply: float = REAPPLY_PROB
+    futility: float | None = None  # decide's futility t (None: noise.FUTILITY_T)
+    extend: bool = True            # past the cap while the interval excludes no effect
 
 
 PRESETS = {
     "seed": Policy("seed", rule="seed"),
-    "today": Policy("today", level="today", cap=TODAY_CAP, fre=None, reapply=0.0),
+    # today's rules exactly: futility at 1 standard error, a rejection at the cap
+    "today": Policy("today", level="today", cap=TODAY_CAP, fre=None, reapply=0.0, futility=1.0,
+                    extend=False),
     "new": Policy("new"),
 }
 
@@ -272,8 +276,13 @@ def parse_policy(text: str, cap: int | None, fre: int | None) -> Policy:
             p = replace(p, level=value)
         elif key == "reapply":
             p = replace(p, reapply=float(value))
+        elif key == "fut":
+            p = replace(p, futility=float(value))
+        elif key == "extend":
+            p = replace(p, extend=value not in ("0", "no", "false"))
         else:
-            raise SystemExit(f"unknown policy key {key!r} in {text!r}: cap, fre, level, reapply")
+            raise SystemExit(f"unknown policy key {key!r} in {text!r}: cap, fre, level, reapply, "
+                             "fut, extend")
     return replace(p, name=text)
 
 
@@ -434,7 +443,8 @@ class PairedLab:
         return runs
 
     def judge(self, d: Decision) -> None:
-        step = noise.decide(d.gains, d.level, d.cap)
+        step = noise.decide(d.gains, d.level, d.cap, futility=self.policy.futility,
+                            extend=self.policy.extend)
         if step.decision == "continue":
             if d is not self.current:
                 self.confirming.append(d)
@@ -478,7 +488,8 @@ class PairedLab:
         self.queue = [x for x in self.queue if x not in stale]
         for x in stale:
             t.wasted += x.attempt_runs
-            if noise.decide(x.gains, x.level, x.cap).decision == "reject":
+            if noise.decide(x.gains, x.level, x.cap, futility=self.policy.futility,
+                            extend=self.policy.extend).decision == "reject":
                 self.finish(x)
                 continue
             x.gains = []
@@ -588,11 +599,12 @@ def table(results: dict[str, dict], title: str) -> str:
 
 # --- calibration of the new policy ------------------------------------------------------------
 
-def _decide_to_end(rng: random.Random, sds: float, level: float, cap: int) -> tuple[str, int]:
+def _decide_to_end(rng: random.Random, sds: float, level: float, cap: int,
+                   futility: float | None = None, extend: bool = True) -> tuple[str, int]:
     gains: list[float] = []
     while True:
         gains.append(rng.gauss(sds, 1.0))
-        step = noise.decide(gains, level, cap)
+        step = noise.decide(gains, level, cap, futility=futility, extend=extend)
         if step.decision != "continue":
             return step.decision, len(gains)
 
@@ -600,18 +612,25 @@ def _decide_to_end(rng: random.Random, sds: float, level: float, cap: int) -> tu
 def calibration(policy: Policy, seed: int, trials: int = CHECK_TRIALS) -> dict:
     """(a) runs, the master's included, for a gain of 2 paired sds on a fresh test (a fresh
     master: every place a master run); (b) power of the 1st and 20th test against one master."""
-    levels = {k: noise.test_alpha(k) if policy.level == "today" else LORD(k, ()) for k in (1, 20)}
+    # after a promotion (test 1 of the campaign promoted): the k-th test against that master
+    levels = {k: noise.test_alpha(k) if policy.level == "today" else LORD(1 + k, (1,))
+              for k in (1, 20)}
     level = levels.__getitem__
 
     rng = random.Random(f"{seed}:calibration")
-    runs = [2 * _decide_to_end(rng, 2.0, level(1), policy.cap)[1] for _ in range(trials)]
+    runs = [2 * _decide_to_end(rng, 2.0, level(1), policy.cap, policy.futility,
+                                   policy.extend)[1] for _ in range(trials)]
+    placed = [_decide_to_end(rng, 2.0, level(1), policy.cap, policy.futility,
+                             policy.extend)[1] for _ in range(trials)]
     out = {"policy": policy.name, "level_1": level(1), "level_20": level(20),
+           "runs_2sd_placed_median": statistics.median(placed),
            "runs_2sd_fresh_median": statistics.median(runs),
            "runs_2sd_fresh_mean": statistics.fmean(runs)}
     for sds in (2.0, 3.0):
         power = []
         for k in (1, 20):
-            hits = sum(_decide_to_end(rng, sds, level(k), policy.cap)[0] == "promote"
+            hits = sum(_decide_to_end(rng, sds, level(k), policy.cap, policy.futility,
+                                          policy.extend)[0] == "promote"
                        for _ in range(trials))
             power.append(hits / trials)
         out[f"power_{sds:g}sd_test1"], out[f"power_{sds:g}sd_test20"] = power
@@ -623,7 +642,8 @@ def calibration_text(c: dict) -> str:
     return (f"{c['policy']}: level {c['level_1']:.4g} at the 1st test, {c['level_20']:.4g} at the "
             f"20th\n  (a) a gain of 2 paired sds, fresh test: "
             f"{c['runs_2sd_fresh_median']:.0f} runs "
-            f"(median; mean {c['runs_2sd_fresh_mean']:.1f}), the master's included\n"
+            f"(median; mean {c['runs_2sd_fresh_mean']:.1f}), the master's included; "
+            f"{c['runs_2sd_placed_median']:.0f} where the master has its places (promoted)\n"
             f"  (b) power, 1st vs 20th test against one master: 2 sds "
             f"{c['power_2sd_test1']:.1%} vs {c['power_2sd_test20']:.1%} "
             f"(ratio {c['power_2sd_ratio']:.2f}); 3 sds {c['power_3sd_test1']:.1%} vs "

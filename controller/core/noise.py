@@ -86,13 +86,15 @@ PLACE_SEED_RANGE = 2**31
 # The online FDR control of the whole campaign (`lord_level`). FDR: the share of promotions that may
 # be false, in expectation. LEVEL_CAP: no test runs above it, so a change that does nothing is
 # promoted at most 1 time in 100. W0: LORD++'s starting wealth (half of FDR: the first promotion
-# earns the other half back). GAMMA_EXPONENT: the level a promotion earns is spent over the tests
-# after it as GAMMA(j) ~ j^-GAMMA_EXPONENT (sum 1): flatter keeps the 20th test against one master
-# closer to the first, steeper gives the first few tests after a promotion more.
+# earns the other half back). GAMMA: the level a promotion earns is spent over the tests after it
+# as GAMMA(j) ~ (j + GAMMA_SHIFT)^-GAMMA_EXPONENT (sum 1): flatter (a larger shift, a smaller
+# exponent) keeps the 20th test against one master closer to the first; steeper gives the first
+# few tests after a promotion more.
 FDR = 0.05
 LEVEL_CAP = 0.01
 W0 = FDR / 2
-GAMMA_EXPONENT = 1.3
+GAMMA_EXPONENT = 1.5
+GAMMA_SHIFT = 4.0
 # Attempts of one experiment on successive masters (its first run and rebased follow-ups).
 MAX_ATTEMPTS = 10
 
@@ -116,19 +118,21 @@ def test_alpha(tries: int) -> float:
     return 2 * ALPHA / (k * (k + 1))
 
 
-@lru_cache(maxsize=1)
-def _gamma_norm(exponent: float = GAMMA_EXPONENT) -> float:
-    """sum over j >= 1 of j^-exponent (the Riemann zeta function), to 1e-9: the sum to 10^5 and
-    the integral of the tail."""
+@lru_cache(maxsize=4)
+def _gamma_norm(exponent: float, shift: float) -> float:
+    """sum over j >= 1 of (j + shift)^-exponent, to about 1e-9: the sum to 10^5 and the integral
+    of the tail."""
     n = 100_000
-    head = math.fsum(j ** -exponent for j in range(1, n + 1))
-    return head + (n + 0.5) ** (1 - exponent) / (exponent - 1)
+    head = math.fsum((j + shift) ** -exponent for j in range(1, n + 1))
+    return head + (n + shift + 0.5) ** (1 - exponent) / (exponent - 1)
 
 
 def gamma(j: int) -> float:
     """LORD++'s spending sequence: the share of a promotion's earned level spent on the j-th
     test after it (j >= 1; 0 before). Non-increasing, sums to 1."""
-    return j ** -GAMMA_EXPONENT / _gamma_norm() if j >= 1 else 0.0
+    if j < 1:
+        return 0.0
+    return (j + GAMMA_SHIFT) ** -GAMMA_EXPONENT / _gamma_norm(GAMMA_EXPONENT, GAMMA_SHIFT)
 
 
 def lord_level(t: int, discoveries: list[int] | tuple[int, ...] = ()) -> float:
@@ -257,7 +261,7 @@ def look_share(n: int, cap: int) -> float:
 
 
 def decide(gains: list[float], alpha: float = ALPHA, cap: int = MAX_PAIRS,
-           min_delta: float = 0.0) -> Step:
+           min_delta: float = 0.0, futility: float | None = None, extend: bool = True) -> Step:
     """The sequential test on paired gains (master - candidate at each place, in order).
 
     Stops to reject when the mean gain is not above zero, when from the second pair on it
@@ -267,27 +271,30 @@ def decide(gains: list[float], alpha: float = ALPHA, cap: int = MAX_PAIRS,
     `hard_cap(cap)`) and the mean gain is above `min_delta` (a number the lab asked for; 0 with
     `auto`). Past `cap`, a decision whose interval excludes no effect goes on; at
     `hard_cap(cap)` it ends `undecided`, saying how many more pairs would likely decide it.
+    `futility` (FUTILITY_T unless given) and `extend=False` (reject at the cap, looks split to
+    the cap) let the campaign bench run the rules of earlier defaults on the same code.
     """
+    futility = FUTILITY_T if futility is None else futility
     n = len(gains)
     g = mean(gains)
     sd = spread(gains) if n >= 2 else None
     se = math.inf if sd is None else sd / math.sqrt(n)
     t = (math.inf if g > 0 else -math.inf) if se == 0 else (g / se if math.isfinite(se) else 0.0)
-    last = hard_cap(cap)
+    last = hard_cap(cap) if extend else cap
     crit = t_crit(n - 1, alpha * look_share(n, last)) if n >= FIRST_LOOK else math.inf
     half = t_crit(n - 1, 0.025) * se if n >= 2 and se > 0 else (0.0 if se == 0 else math.inf)
     step = dict(pairs=n, gain=g, standard_error=se, t=t, critical=crit, low=g - half,
                 high=g + half, alpha=alpha)
     if g <= 0:
         return Step("reject", why="no better than the master on these seeds", **step)
-    if n >= 2 and t < FUTILITY_T:
-        return Step("reject", why=f"within {FUTILITY_T:g} standard error of no effect", **step)
+    if n >= 2 and t < futility:
+        return Step("reject", why=f"within {futility:g} standard errors of no effect", **step)
     if t > crit:
         if g > min_delta:
             return Step("promote", why="a real gain", **step)
         return Step("reject", why=f"a real gain, but not above promotion.minDelta {min_delta:g}",
                     **step)
-    if n >= cap and step["low"] <= 0:
+    if n >= cap and (step["low"] <= 0 or not extend):
         return Step("reject", why=f"not shown within the cap of {cap} pairs", **step)
     if n >= last:
         return Step("undecided", why=f"a gain its interval keeps above zero, not shown at its "
