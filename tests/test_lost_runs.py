@@ -80,7 +80,7 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def rows(root: Path, lab: LocalLab) -> list[tuple[str, str]]:
+def rows(lab: LocalLab) -> list[tuple[str, str]]:
     return [(r["run_id"], r["status"]) for r in lab.ledger.rows()
             if r["experiment_id"] == "warmdown"]
 
@@ -92,7 +92,7 @@ def assert_run_again_and_decided(lab: LocalLab) -> None:
     assert [(x["run"], x["state"], x["program"], x["place"]) for x in st["lostRuns"]] == \
         [("exp-warmdown-1", "lost", "candidate", 1)]
     assert st["run"] == "exp-warmdown-1-t2"
-    assert rows(lab.root, lab) == [("exp-warmdown-1", "lost"), ("exp-warmdown-1-t2", "succeeded")]
+    assert rows(lab) == [("exp-warmdown-1", "lost"), ("exp-warmdown-1-t2", "succeeded")]
     lost, measured = [r for r in lab.ledger.rows() if r["experiment_id"] == "warmdown"]
     assert lost["val_bpb"] == "" and float(measured["val_bpb"]) == st["metrics"]["val_bpb"]
     result = json.loads((lab.root / ".autolab/runs/exp-warmdown-1-t2/result.json").read_text())
