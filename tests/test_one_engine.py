@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,14 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class Vanish:
+    """A run seen running is gone with nothing left: its process and record (local), its Job
+    (the operator), as a lost node or a `kubectl delete job` leaves it. Never its result."""
+
+    run: str
+
+
+@dataclass(frozen=True)
 class FinishAll:
     """Several runs end before the controller looks again (in this order)."""
 
@@ -165,6 +174,10 @@ class Scenario:
     gives_up: bool = False  # the lab ends saying its baseline failed for good
     promotion: dict = field(default_factory=lambda: {"minDelta": MIN_DELTA})  # the Lab's
     places: dict | None = None  # the seed master's values by place, measured before
+    # Fields of final statuses: experiment -> {path: value}; a path is dotted ("pairs.master"),
+    # a list on the way is mapped over ("lostRuns.run": each lost run's name).
+    status: dict = field(default_factory=dict)
+    coin: int | None = None  # pins the order of each place's two runs (World.entropy)
 
     def __str__(self) -> str:
         return self.name
@@ -173,6 +186,19 @@ class Scenario:
 def exp_runs(*names: str) -> list[tuple[str, int, int]]:
     return [(run_of(n), 1, 1) for n in names]
 
+
+# The ledger of "lost-candidate-and-master-runs-mid-decision": each lost try once, lost.
+LOST_MID_DECISION_ROWS = [
+    ("exp-gain-1", "succeeded"), ("exp-gain-1-m2", "lost"), ("exp-gain-1-m2-t2", "lost"),
+    ("exp-gain-1-m2-t3", "confirm"), ("exp-gain-1-m3", "confirm"), ("exp-gain-1-m4", "confirm"),
+    ("exp-gain-1-p2", "lost"), ("exp-gain-1-p2-t2", "confirm"), ("exp-gain-1-p3", "confirm"),
+    ("exp-gain-1-p4", "confirm")]
+# ... and of "runs-lost-past-the-bound-and-the-change-applied-again-continues".
+BOUND_ROWS = [
+    ("exp-flaky-1", "error"), ("exp-flaky-1-p2", "lost"), ("exp-flaky-1-p2-t2", "lost"),
+    ("exp-flaky-1-p2-t3", "lost"), ("exp-flaky-1-p2-t4", "lost"),
+    ("exp-flaky-again-1", "succeeded"), ("exp-flaky-again-1-p2", "confirm"),
+    ("exp-flaky-again-1-p3", "confirm"), ("exp-flaky-again-1-p4", "confirm")]
 
 SCENARIOS = [
     Scenario(
@@ -362,6 +388,69 @@ SCENARIOS = [
         promotion={"minDelta": "auto"},
         places={1: 1.40, 2: 1.51, 3: 1.30, 4: 1.45, 5: 1.36, 6: 1.48}),
     Scenario(
+        # A decision in pairs (minDelta auto) where the master has no value past place 1, so
+        # the master runs too (exp-<name>-1-m<i>). A run of each side is lost mid-decision: the
+        # candidate's (no result), the master's twice (its Job deleted, then the machine's
+        # error). Each try is recorded once, lost; its place runs again under a name of its
+        # own; the pairs so far stay, and the decision ends on the same pairs plus the re-runs.
+        "lost-candidate-and-master-runs-mid-decision", 1.40,
+        (Apply("gain", "WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4"),
+         Start("gain"), Finish("gain", ok(0.60)),
+         # the coin puts the candidate first at place 2, the master first at place 3
+         Start("exp-gain-1-p2"), Finish("exp-gain-1-p2", LOST),
+         Start("exp-gain-1-p2-t2"), Finish("exp-gain-1-p2-t2", ok(0.59)),
+         Start("exp-gain-1-m2"), Vanish("exp-gain-1-m2"),
+         Start("exp-gain-1-m2-t2"), Finish("exp-gain-1-m2-t2", INFRA),
+         Start("exp-gain-1-m2-t3"), Finish("exp-gain-1-m2-t3", ok(1.51)),
+         Start("exp-gain-1-m3"), Finish("exp-gain-1-m3", ok(1.30)),
+         Start("exp-gain-1-p3"), Finish("exp-gain-1-p3", ok(0.61)),
+         Start("exp-gain-1-p4"), Finish("exp-gain-1-p4", ok(0.60)),
+         Start("exp-gain-1-m4"), Finish("exp-gain-1-m4", ok(1.45))),
+        {"gain": ("Succeeded", "Promoted", "Promoted")},
+        LOST_MID_DECISION_ROWS,
+        [(None, 1.40), ("gain", 0.6)],
+        sorted(exp_runs("gain") + [(r, 1, 1) for r in (
+            "exp-gain-1-p2", "exp-gain-1-p2-t2", "exp-gain-1-m2", "exp-gain-1-m2-t2",
+            "exp-gain-1-m2-t3", "exp-gain-1-m3", "exp-gain-1-p3", "exp-gain-1-p4",
+            "exp-gain-1-m4")]),
+        promotion={"minDelta": "auto"}, places={1: 1.40},
+        status={"gain": {"pairs.candidate": [0.60, 0.59, 0.61, 0.60],
+                         "pairs.master": [1.40, 1.51, 1.30, 1.45],
+                         "lostRuns.run": ["exp-gain-1-p2", "exp-gain-1-m2", "exp-gain-1-m2-t2"],
+                         "lostRuns.base": ["exp-gain-1-p2", "exp-gain-1-m2", "exp-gain-1-m2"]}},
+        coin=0),
+    Scenario(
+        # One place lost on every try ends the decision after the bound (1 + LOST_RETRIES
+        # tries): Failed, RunsLost, with the machine's words, not held against the candidate
+        # (its row says error, not measured). The same change applied again under a new name
+        # on the same master continues from its pairs: it submits place 2, not place 1.
+        "runs-lost-past-the-bound-and-the-change-applied-again-continues", 1.40,
+        (Apply("flaky", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
+         Start("flaky"), Finish("flaky", ok(0.61)),
+         Start("exp-flaky-1-p2"), Finish("exp-flaky-1-p2", LOST),
+         Start("exp-flaky-1-p2-t2"), Finish("exp-flaky-1-p2-t2", INFRA),
+         Start("exp-flaky-1-p2-t3"), Vanish("exp-flaky-1-p2-t3"),
+         Start("exp-flaky-1-p2-t4"), Finish("exp-flaky-1-p2-t4", INFRA),
+         Apply("flaky-again", "MATRIX_LR = 0.02", "MATRIX_LR = 0.03"),
+         Start("exp-flaky-again-1-p2"), Finish("exp-flaky-again-1-p2", ok(0.60)),
+         Start("exp-flaky-again-1-p3"), Finish("exp-flaky-again-1-p3", ok(0.62)),
+         Start("exp-flaky-again-1-p4"), Finish("exp-flaky-again-1-p4", ok(0.61))),
+        {"flaky": ("Failed", "RunsLost", None),
+         "flaky-again": ("Succeeded", "Promoted", "Promoted")},
+        BOUND_ROWS,
+        [(None, 1.40), ("flaky-again", 0.61)],
+        sorted(exp_runs("flaky") + [(r, 1, 1) for r in (
+            "exp-flaky-1-p2", "exp-flaky-1-p2-t2", "exp-flaky-1-p2-t3", "exp-flaky-1-p2-t4",
+            "exp-flaky-again-1-p2", "exp-flaky-again-1-p3", "exp-flaky-again-1-p4")]),
+        promotion={"minDelta": "auto"},
+        places={1: 1.40, 2: 1.51, 3: 1.30, 4: 1.45, 5: 1.36, 6: 1.48},
+        status={"flaky": {"lostRuns.run": ["exp-flaky-1-p2", "exp-flaky-1-p2-t2",
+                                           "exp-flaky-1-p2-t3", "exp-flaky-1-p2-t4"],
+                          "message~": INFRA.reason, "pairs.candidate": [0.61]},
+                "flaky-again": {"continues": ["flaky"],
+                                "pairs.candidate": [0.61, 0.60, 0.62, 0.61],
+                                "pairs.master": [1.40, 1.51, 1.30, 1.45]}}),
+    Scenario(
         "restart-while-the-baseline-is-in-flight", None,
         (Start(BASELINE),
          Down(), Up(),              # the new controller adopts attempt 1, starts no second one
@@ -388,7 +477,7 @@ def spec_doc(step: Apply) -> dict:
 
 
 def label(step: Any) -> str:
-    if isinstance(step, (Start, Finish)):
+    if isinstance(step, (Start, Finish, Vanish)):
         what = "baseline" if step.run == BASELINE else step.run
         return f"{type(step).__name__}({what}" + (
             f", {step.harness.status})" if isinstance(step, Finish) else ")")
@@ -411,6 +500,7 @@ class Transcript:
     crashed: str | None = None                       # the driver could not go on: why
     failures: list = field(default_factory=list)     # passes that failed (told on a status)
     gave_up: bool = False  # the lab says its baseline failed for good (no attempts left)
+    statuses: dict = field(default_factory=dict)     # name -> final status
 
     def failed(self, message: str) -> None:
         if message not in self.failures:
@@ -454,6 +544,16 @@ def phases_of(statuses: dict[str, dict], applied: list[str]) -> dict:
         st = statuses.get(n)
         out[n] = None if st is None else (st.get("phase"), st.get("reason"), st.get("outcome"))
     return out
+
+
+def field_of(st: Any, path: str) -> Any:
+    """A status field by its dotted path; a list on the way is mapped over."""
+    for key in path.split("."):
+        if isinstance(st, list):
+            st = [x.get(key) if isinstance(x, dict) else None for x in st]
+        else:
+            st = st.get(key) if isinstance(st, dict) else None
+    return st
 
 
 def count_runs(submitted: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
@@ -617,6 +717,8 @@ class LocalDriver:
             else:
                 res = harness_result(h)
                 r.update(state=h.status, result=res, message=res.get("reason", ""))
+        elif isinstance(step, Vanish):
+            del self.machine.runs[self.pick(step.run, "running")]
         elif isinstance(step, Delete):
             assert self.lab is not None
             self.lab.delete(step.name)
@@ -644,6 +746,7 @@ class LocalDriver:
         except Exception as e:  # the transcript says how far it got
             t.crashed = f"{where}: {type(e).__name__}: {e}"
         statuses = self.statuses()
+        t.statuses = statuses
         t.experiments = phases_of(statuses, self.applied)
         t.ledger = project(Ledger(self.root / "research" / "results.tsv").rows())
         t.history = history_of(self.root)
@@ -902,6 +1005,10 @@ class OperatorDriver:
                 await self.settle()
         elif isinstance(step, Finish):
             await self.finish(await self.job_for(step.run, "started"), step.harness)
+        elif isinstance(step, Vanish):
+            job = await self.job_for(step.run, "started")
+            await self.c.call(self.batch.delete_namespaced_job, job["metadata"]["name"], NS)
+            self.finished.add(job["metadata"]["uid"])
         elif isinstance(step, Delete):
             await self.c.delete("experiments", step.name)
             if self.stack is not None:
@@ -948,7 +1055,8 @@ class OperatorDriver:
             await self.down()
             for name in ("kopf", "autolab"):
                 logging.getLogger(name).removeHandler(logged)
-        t.experiments = phases_of(self.statuses(), self.applied)
+        t.statuses = self.statuses()
+        t.experiments = phases_of(t.statuses, self.applied)
         t.ledger = project(self.c.ledger(LAB_NAME))
         t.history = history_of(self.lab_dir) if (self.lab_dir / "research").exists() else []
         t.runs = count_runs(self.submitted())
@@ -991,6 +1099,12 @@ def expectation_problems(who: str, t: Transcript, scn: Scenario) -> list[str]:
                                  "the lab does not say its baseline failed for good"))
     if t.runs != scn.runs:
         out.append(f"{who}: runs (name, gpus, times created) {t.runs}, expected {scn.runs}")
+    for name, fields in scn.status.items():
+        for path, want in fields.items():
+            got = field_of(t.statuses.get(name), path.rstrip("~"))
+            if (want not in (got or "")) if path.endswith("~") else got != want:
+                out.append(f"{who}: {name}'s status {path.rstrip('~')} is {got!r}, expected "
+                           f"{'to contain ' if path.endswith('~') else ''}{want!r}")
     for step, _, runs, val in t.snapshots:
         early = [r for r in runs if r.startswith("exp-")]
         if val is None and early:
@@ -1026,6 +1140,8 @@ async def test_one_scenario_table_through_both_front_ends(scn: Scenario, cluster
                                                           tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AUTOLAB_GPUS", ",".join(str(i) for i in range(SLOTS)))
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
+    if scn.coin is not None:  # the entropy each World draws (reconcile.World.entropy)
+        monkeypatch.setattr(secrets, "randbits", lambda k: scn.coin)
     # The two front ends share nothing (two lab directories, two sets of runs): side by side.
     local, remote = await asyncio.gather(
         asyncio.to_thread(LocalDriver(tmp_path / "local" / LAB_NAME, scn).run),
@@ -1039,12 +1155,12 @@ def test_the_table_meets_every_outcome() -> None:
     """The table itself: every phase, reason and outcome the acceptance line names."""
     seen = {v for s in SCENARIOS for v in s.phases.values()}
     assert {("Succeeded", "Promoted", "Promoted"), ("Succeeded", "Rejected", "Rejected"),
-            ("Failed", "CandidateCrashed", None), ("Failed", "InfrastructureError", None),
+            ("Failed", "CandidateCrashed", None), ("Failed", "RunsLost", None),
             ("Duplicate", "DuplicateCandidate", None), ("Invalid", "InvalidSpec", None),
             ("Invalid", "DiffDoesNotApply", None), ("Conflict", "RebaseConflict", None),
             GONE} <= seen
     kinds = {type(step) for s in SCENARIOS for step in s.steps}
-    assert {Delete, Down, Up} <= kinds
+    assert {Delete, Down, Up, Vanish} <= kinds
     assert any(s.measured is None and any(isinstance(x, Finish) and x.run == BASELINE
                                           and x.harness.status != "succeeded" for x in s.steps)
                for s in SCENARIOS)
