@@ -682,7 +682,7 @@ class Rig:
                 v.append(f"files of the run grew past {LOG_LIMIT >> 20} MiB: {big}")
         if "stats" in cand.checks:
             v += self._check_stats(cand, metrics, mine, result)
-        if "junk" in cand.checks and reason in ("InfrastructureError", "HarnessError"):
+        if "junk" in cand.checks and reason in ("InfrastructureError", "HarnessError", "RunsLost"):
             v.append(f"junk statistics broke the harness: {reason}: {message[:200]}")
         return v
 
