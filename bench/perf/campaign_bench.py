@@ -96,7 +96,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controller.core import noise  # noqa: E402
+from controller.core import noise, slots  # noqa: E402
 
 # --- the lab ---------------------------------------------------------------------------------
 RUN_SECONDS = 300 + 25        # a run at the 300-s budget: training and ~25 s outside it
@@ -104,7 +104,7 @@ SHORT_RUN_SECONDS = 45 + 25   # the same at a 45-s budget
 CANDIDATES = 100              # candidates per stream
 STREAMS = 200                 # streams per policy (the same streams for every policy)
 WAITING = 3                   # specs the agent keeps waiting for a first run
-FIRST_RUN_EVERY = getattr(noise, "FIRST_RUN_EVERY", None) or 2  # new: a first run after <= this
+FIRST_RUN_EVERY = slots.FIRST_RUN_EVERY  # new: a first run after <= this many of a decision
 TODAY_CAP = 10                # today's cap on pairs
 REAPPLY_PROB = 0.5            # the agent applies an undecided candidate again with this chance
 REAPPLY_MAX = 1               # ... at most this many times
@@ -142,26 +142,9 @@ NULL_KINDS = ("noop", "seed")
 CHECK_TRIALS = 4000
 
 
-# --- levels: the real functions, with a stand-in where controller.core.noise has none yet ------
+# --- levels: the real functions -----------------------------------------------------------------
 
-_EXPO = 1.3
-_NORM = sum(j ** -_EXPO for j in range(1, 20001)) + 20000.5 ** (1 - _EXPO) / (_EXPO - 1)
-
-
-def _lord_fallback(t: int, discoveries: tuple[int, ...]) -> float:
-    """LORD++ (Ramdas et al. 2017) at FDR 0.05, W0 = FDR / 2, gamma_j ~ j^-1.3, capped at 0.01:
-    used only while controller.core.noise has no `lord_level`."""
-    fdr, cap = 0.05, 0.01
-    g = lambda j: j ** -_EXPO / _NORM if j >= 1 else 0.0  # noqa: E731
-    taus = sorted(d for d in discoveries if 0 < d < t)
-    level = fdr / 2 * g(t) + sum((fdr / 2 if i == 0 else fdr) * g(t - tau)
-                                 for i, tau in enumerate(taus))
-    return min(cap, level)
-
-
-LORD = getattr(noise, "lord_level", None) or _lord_fallback
-LORD_SOURCE = "controller.core.noise.lord_level" if hasattr(noise, "lord_level") else \
-    "the bench's stand-in (controller.core.noise has no lord_level yet)"
+LORD = noise.lord_level
 NEW_CAP = noise.MAX_PAIRS
 
 
@@ -687,7 +670,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = run(args.streams, args.seed, policies, args.noise_scale, arrivals, args.candidates,
                   args.workers)
     print(f"campaign_bench: {args.streams} streams x {args.candidates} candidates, seed "
-          f"{args.seed}, noise x{args.noise_scale:g}; lord_level: {LORD_SOURCE}")
+          f"{args.seed}, noise x{args.noise_scale:g}")
     print("policies: " + "; ".join(
         f"{p.name} = " + ("keep if lower, one fixed seed" if p.rule == "seed" else
                           f"{p.level} level, cap {p.cap}, first run after "
@@ -697,7 +680,7 @@ def main(argv: list[str] | None = None) -> dict:
         title = (f"\nagent keeps {WAITING} specs waiting" if a == "waiting" else
                  f"\nall {args.candidates} applied at once")
         print(table(results[a], title))
-    out = {"args": {k: str(v) for k, v in vars(args).items()}, "lord_level": LORD_SOURCE,
+    out = {"args": {k: str(v) for k, v in vars(args).items()}, 
            "results": results}
     if not args.no_calibration:
         checks = [calibration(p, args.seed) for p in policies if p.rule == "pairs"]
