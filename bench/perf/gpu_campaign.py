@@ -70,7 +70,7 @@ def autolab(*args: str, cwd: Path, input: str | None = None) -> subprocess.Compl
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="dir:PATH (mkcorpus) or hub")
+    ap.add_argument("--data", default=None, help="dir:PATH (mkcorpus) or hub (not with --resume)")
     ap.add_argument("--budget", type=int, default=60)
     ap.add_argument("--lab", default="/tmp/autolab-gpu-campaign")
     ap.add_argument("--profile", default="default", help="tiny: a smoke test on a CPU")
@@ -139,8 +139,7 @@ def report(root: Path, budget: int, wall: float) -> int:
         p = st.get("pairs") or {}
         why = (p.get("verdict") or {}).get("explain", st.get("message") or "")
         mine = [r for r in rows if r.get("experiment_id") == name]
-        runs = len({r["run_id"] for r in mine if r.get("status") != "lost"}
-                   | {r["run_id"] for r in mine if r.get("status") == "lost"})
+        runs = len({r["run_id"] for r in mine if r.get("backend")})
         applied, first = _ts(st.get("createdAt")), _ts(st.get("startedAt"))
         wait = None if applied is None or first is None else first - applied
         if wait is not None:
@@ -151,16 +150,6 @@ def report(root: Path, budget: int, wall: float) -> int:
               f"  {str(why)[:160]}")
     runs = [r for r in rows if r.get("val_bpb")]
     for r in runs:
-        assert old in src, f"{old!r} is not in bench/train.py"
-        diff = "".join(difflib.unified_diff(src.splitlines(True),
-                                            src.replace(old, new, 1).splitlines(True),
-                                            "a/train.py", "b/train.py"))
-        doc = {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
-               "metadata": {"name": name},
-               "spec": {"hypothesis": hypothesis, "parent": lab.repo.master().hash[:12],
-                        "diff": diff, "campaign": "gpu-campaign"}}
-        (root / "experiments" / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-
         print(f"  {r['run_id']:48} {r['status']:10} {r['val_bpb']:>10} "
               f"{r.get('training_seconds') or '':>8} {r.get('total_seconds') or '':>8}")
     every = [r for r in rows if r.get("backend")]  # every run the GPU made, lost tries too

@@ -39,7 +39,8 @@ EXPERIMENT_STATUS = {
         "phase": {"type": "string", "description": "Pending, Invalid, Duplicate, Conflict, "
                                                    "Queued, Running, Confirming, Succeeded, Failed or "
                                                    "Cancelled."},
-        "outcome": {"type": "string", "description": "Promoted or Rejected, once Succeeded."},
+        "outcome": {"type": "string", "description": "Promoted, Rejected or Undecided (not a "
+                                                     "measured rejection), once Succeeded."},
         "reason": {"type": "string", "description": "CamelCase reason of the last transition."},
         "message": {"type": "string", "description": "The last transition, for a person."},
         "candidateHash": {"type": "string", "description": "SHA-1 of the normalised candidate."},
@@ -63,7 +64,18 @@ EXPERIMENT_STATUS = {
                                                    "(gain, interval, t) and the verdict.",
                   "x-kubernetes-preserve-unknown-fields": True},
         "tries": {"type": "integer", "description": "Which test against its master this "
-                                                    "decision is (its level falls with it)."},
+                                                    "decision is."},
+        "level": {"type": "number", "description": "The level of this decision's test, kept "
+                                                   "when it began (the campaign's online FDR "
+                                                   "control, LORD++)."},
+        "lostRuns": {"type": "array", "description": "Runs lost for a reason outside the "
+                                                     "candidate and run again at their place: "
+                                                     "run, base, program, place, state, "
+                                                     "reason, at.",
+                     "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+        "continues": {"type": "array", "items": {"type": "string"},
+                      "description": "The unfinished decisions of the same candidate on the same "
+                                     "master whose pairs this one took."},
         "conditions": {"type": "array", "description": "Checked, Scheduled, Running, Promoted.",
                        "items": {"type": "object",
                                  "x-kubernetes-preserve-unknown-fields": True}},
