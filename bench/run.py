@@ -11,7 +11,8 @@ The run harness: the one entry point every backend runs for an experiment.
                            [--sandbox auto|bwrap|uid|isolated|container|none]
                            [--key-fd FD | --key-file PATH] [--run NAME]
                            [--phase all|stage|train|evaluate] [--train-data DIR] [--export-dir DIR]
-                           [--compile-cache-from SHA1] [--gate FILE [--gate-owner-fd FD]]
+                           [--compile-cache-from SHA1 [--starting-program PATH]]
+                           [--gate FILE [--gate-owner-fd FD]]
                            [--handover FILE] [--handback FILE]
 
 The candidate `train.py` is hostile code that wants a lower number. This file
@@ -69,6 +70,34 @@ rules keeps its cache under `<data cache>/compile-seeds/<profile>/<sha1>/`
 its own scratch, which it may change as it likes and which goes with it. A run
 of any other bytes never writes there, so what a candidate finds in its cache
 is what the starting program compiled, whoever ran before it.
+
+Warming the cache on a fresh machine (`--starting-program PATH`, with
+`--compile-cache-from`). A lab resumed on a new host has measured its master
+elsewhere, so no run of the starting program happens there again and every
+candidate would compile from cold (40-55 s of start-up on an H100 instead of
+9-11 s). Given the starting program's bytes, a harness that finds no kept
+cache for them first runs them itself: in the sandbox, like any candidate, up
+to their first request for training data (the compiling is done by then) and
+no further. That warm-up is no measurement: it trains on nothing (its first
+request is never answered), writes no result and is not a run of any
+experiment. If it reached its first batch by the rules (a fit sandbox, no
+process left, the harness files unchanged), its compile cache is kept as a
+run of those bytes would keep it; the candidate then starts with a copy, so
+even the first run on a fresh machine starts warm. The trust rules stay as
+they are: the harness runs only bytes whose sha1 is the one the controller
+named (it checks PATH's bytes), and it alone copies the warm-up's cache, once
+every process of it is gone. A warm-up that fails keeps nothing and costs the
+candidate nothing but its time (it compiles from cold, as before). Two runs
+that start together on a fresh machine may both warm up; the first to finish
+keeps its cache. A warm-up that compiled nothing (bench/train.py compiles on
+CUDA only) keeps an empty entry, so that a CPU machine warms up once, not
+before every run.
+
+Why in the harness rather than as a run of its own: a separate warm-up would
+be one more process the controller must start, adopt after a restart and wait
+for, on every backend, with a result some ledger could take for a measurement;
+here it is one step of the trusted program that already decides who may write
+the kept cache.
 
 Starting up during the previous run's evaluation (`--handover FILE`, `--gate
 FILE`, phase all). `--handover` is written once the candidate is gone and the
@@ -229,13 +258,17 @@ MAX_FILE_BYTES = {"tiny": 256 * 2**20, "default": 4 * 2**30}
 MIN_FREE_BYTES = {"tiny": 64 * 2**20, "default": 2 * 2**30}
 # The compile cache of the lab's starting program (its owner's train.py, not an agent's): kept
 # under <data cache>/COMPILE_SEEDS/<profile>/<sha1>/{compile,triton} by the first run of exactly
-# those bytes, and copied into every run's scratch before its candidate starts. Only a run of those
-# bytes ever writes there, so no candidate can leave anything in it for another run; each candidate
-# gets a copy of its own. Bounded: a cache larger than this is neither kept nor copied.
+# those bytes (or by the harness's warm-up of them, --starting-program), and copied into every run's
+# scratch before its candidate starts. Only a run of those bytes ever writes there, so no candidate
+# can leave anything in it for another run; each candidate gets a copy of its own. An empty entry: a
+# warm-up that compiled nothing (a CPU machine), so no later run warms up again. Bounded: a cache
+# larger than this is neither kept nor copied.
 COMPILE_SEEDS = "compile-seeds"
 CACHE_DIRS = ("compile", "triton")  # $TORCHINDUCTOR_CACHE_DIR and $TRITON_CACHE_DIR in the scratch
 SEED_CACHE_LIMIT_BYTES = {"tiny": 64 * 2**20, "default": 2 * 2**30}
 SEED_CACHE_MAX_FILES = 20_000
+# --starting-program: the largest train.py the warm-up reads (as for a candidate).
+PROGRAM_LIMIT_BYTES = 2**22
 SANDBOX_MODES = ("auto", "bwrap", "uid", "isolated", "container", "none")
 UNSANDBOXED = ("container", "none")  # the candidate runs as the harness's own user
 STAGED_RECORD = "data.json"  # in --train-data, next to train.bin
@@ -360,10 +393,12 @@ class DataServer:
     is answered only once the gate file is gone: the clock starts then.
     """
 
-    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Gate | None = None) -> None:
+    def __init__(self, tokens, conn: socket.socket, seed: int, gate: Gate | None = None,
+                 hold: bool = False) -> None:
         self.tokens, self.conn = tokens, conn
         self.pos = seed % max(1, len(tokens))
         self.gate = gate  # while this file exists the first batch waits (the GPU is not ours yet)
+        self.hold = hold  # a warm-up: its first request is noted and never answered (no data served)
         self.asked: float | None = None  # the first request came (the candidate is ready)
         self.first: float | None = None
         self.first_wall: float | None = None  # the same moment on the wall clock (other runs' timelines)
@@ -403,6 +438,9 @@ class DataServer:
                     break
                 if self.first is None:
                     self.asked = time.monotonic()
+                    if self.hold:  # no answer, and no end of stream it could mistake for one
+                        self.conn.recv(1)  # until it is stopped and its end closed
+                        break
                     while self.gate is not None and self.gate.closed():
                         if time.monotonic() - self.asked > GATE_LIMIT_SECONDS:
                             self.gate.given_up = (f"the GPU was not handed over within {GATE_LIMIT_SECONDS:g}s "
@@ -453,6 +491,7 @@ class Watch:
         self.rc: int | None = None
         self.killed: str | None = None  # why the harness killed it
         self.stopped_at_export = False  # stopped by the harness once its first export after `done` appeared
+        self.stopped_when_ready = False  # a warm-up, stopped by the harness at its first request for data
         self.started = self.ended = 0.0
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.namespace: str | None = None
@@ -477,7 +516,8 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
                    server: DataServer, budget: float, startup: float, export: float,
                    log: RunLog, limits: sandbox.Limits, info_fd: int | None, info_r: int | None,
                    confine: sandbox.Confinement | None = None, reap: Any = None,
-                   export_dir: Path | None = None, fitness: sandbox.Fitness | None = None) -> Watch:
+                   export_dir: Path | None = None, fitness: sandbox.Fitness | None = None,
+                   stop_when_ready: bool = False, prefix: str = "") -> Watch:
     """Start argv, stream its output, enforce the deadlines; returns when it has exited.
 
     confine, if given, loads the syscall filter in the child before it execs argv (a child that
@@ -493,6 +533,9 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
     fitness, if given, is the sandbox's own report (sandbox.FITNESS_BOOT): the start-up allowance
     counts from its arrival, when the candidate's code starts; the boot itself has
     sandbox.FITNESS_LIMIT_SECONDS to report.
+
+    stop_when_ready (a warm-up of the compile cache): it is stopped at its first request for data.
+    prefix: put before each line of its output in the log (a warm-up's is not the candidate's).
     """
     w = Watch()
     fds = pass_fds + ((info_fd,) if info_fd is not None else ())
@@ -515,7 +558,7 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
         for raw in _lines(proc.stdout):
             text = raw.decode("utf-8", errors="replace").rstrip("\n")
             w.tail.append(text)
-            log.candidate(text)
+            log.candidate(text, prefix)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -539,7 +582,9 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
         if booting and now - w.started > sandbox.FITNESS_LIMIT_SECONDS:
             _kill(proc)  # no report: the sandbox's fault (see _judge), never a verdict on the candidate
             break
-        if server.asked is None and not booting and now - (fitness.at if fitness else w.started) > startup:
+        if stop_when_ready and server.asked is not None:
+            w.stopped_when_ready = True
+        elif server.asked is None and not booting and now - (fitness.at if fitness else w.started) > startup:
             w.killed = (f"it asked for no training data within the start-up allowance of {startup:g}s "
                         "(compile and warm up take place before the first batch)")
         elif server.first is not None and server.done is None and now - server.first > train_limit:
@@ -552,7 +597,8 @@ def _run_sandboxed(argv: list[str], *, cwd: Path, env: dict[str, str], pass_fds:
             if exported_at is not None and (os.path.lexists(export_dir / "stats.json")
                                             or now - exported_at > EXPORT_SETTLE):
                 w.stopped_at_export = True
-        if w.killed or w.stopped_at_export or (server.gate is not None and server.gate.abandoned()):
+        if w.killed or w.stopped_at_export or w.stopped_when_ready or (
+                server.gate is not None and server.gate.abandoned()):
             _kill(proc)
             break
         try:
@@ -1139,8 +1185,8 @@ def _seed_compile_cache(sha1: str | None, scratch: Path, log: RunLog, result: di
     if not sha1:
         return
     entry = seed_cache_entry(sha1)
-    info: dict[str, Any] = {"program": sha1[:12], "seeded": False, "kept": False}
-    result["compile_cache"] = info
+    info: dict[str, Any] = result.setdefault("compile_cache", {})  # a warm-up may have said how it went
+    info.update(program=sha1[:12], seeded=False, kept=False)
     if not entry.is_dir():
         log.harness(f"no compile cache of the starting program {sha1[:12]} yet: the candidate compiles from cold")
         return
@@ -1156,6 +1202,9 @@ def _seed_compile_cache(sha1: str | None, scratch: Path, log: RunLog, result: di
         for name in CACHE_DIRS:
             shutil.rmtree(scratch / name, ignore_errors=True)
         log.harness(f"the compile cache of {sha1[:12]} could not be copied ({e}): the candidate compiles from cold")
+        return
+    if not files:  # kept by a warm-up that compiled nothing (see _warm_compile_cache)
+        log.harness(f"the starting program {sha1[:12]} compiled nothing here: there is no cache to start from")
         return
     info.update(seeded=True, files=files, bytes=size, seconds=round(time.monotonic() - began, 2))
     log.harness(f"the candidate starts with a copy of the compile cache of the starting program {sha1[:12]} "
@@ -1188,6 +1237,69 @@ def _keep_compile_cache(sha1: str | None, scratch: Path, log: RunLog, result: di
     result.setdefault("compile_cache", {})["kept"] = True
     log.harness(f"kept the compile cache of the starting program {sha1[:12]} for later runs "
                 f"({files} files, {size / 2**20:.1f} MiB)")
+
+
+def _warm_up_problem(w: Watch, server: DataServer, *, mode: str, harness_hashes: dict[str, str]) -> str | None:
+    """Why a warm-up's compile cache is not to be kept (None: it is): the checks _judge makes of a
+    run, but for reaching the first batch instead of training."""
+    if not (w.fitness or {}).get("fit"):
+        return sandbox.unfit_reason(w.fitness, w.who, _last_words(list(w.tail)))
+    if mode == "bwrap" and not w.namespace:
+        return "the sandbox did not report its PID namespace"
+    if w.left:
+        return f"{len(w.left)} of its processes outlived it"
+    changed = [n for n, h in harness_hashes.items() if _sha256(BENCH_DIR / n) != h]
+    if changed:
+        return f"the harness file(s) {', '.join(changed)} changed while it ran"
+    if server.asked is None:
+        return w.killed or f"it exited (code {w.rc}) before its first batch: {_last_words(list(w.tail))}"
+    return None
+
+
+def _warm_compile_cache(sha1: str | None, starting: Path | None, *, tokens, source: str, mode: str,
+                        budget: float, startup: float, harness_hashes: dict[str, str], log: RunLog,
+                        result: dict[str, Any], hidden: list[Path]) -> None:
+    """Where no compile cache of the starting program is kept yet: run the starting program (the
+    bytes at `starting`, whose sha1 must be `sha1`) in the sandbox up to its first batch, and keep
+    what it compiled (see "Warming the cache on a fresh machine" in the module docstring).
+    result["compile_cache"]["warm_up"] says how it went; nothing here fails the run."""
+    if not sha1 or starting is None or result.get("candidate_sha1") == sha1 or seed_cache_entry(sha1).is_dir():
+        return  # nothing to warm, or the run itself is of the starting program (it keeps its own)
+    info: dict[str, Any] = {"kept": False}
+    result["compile_cache"] = {"warm_up": info}
+    program = _regular_file(starting, PROGRAM_LIMIT_BYTES, follow=True)
+    if program is None or hashlib.sha1(program).hexdigest() != sha1:
+        info["reason"] = f"{starting} is not the starting program {sha1[:12]}"
+        log.harness(f"no warm-up of the compile cache: {info['reason']}; the candidate compiles from cold")
+        return
+    began = time.monotonic()
+    run_dir = _run_dir(mode)
+    ran: dict[str, Any] = {"candidate_sha1": sha1, "seed": 0}  # the warm-up's own record, not the run's
+    try:
+        w, server = _train(program, run_dir=run_dir, scratch=run_dir / "scratch", tokens=tokens, source=source,
+                           mode=mode, budget=budget, startup=startup, export=0.0, log=log, result=ran,
+                           hidden=hidden, warm_up=True)
+        problem = _warm_up_problem(w, server, mode=mode, harness_hashes=harness_hashes)
+        if problem is None and any((run_dir / "scratch" / n).is_dir() for n in CACHE_DIRS):
+            _keep_compile_cache(sha1, run_dir / "scratch", log, ran)
+            info["kept"] = bool(ran.get("compile_cache", {}).get("kept"))
+            if not info["kept"] and seed_cache_entry(sha1).is_dir():
+                info["reason"] = "another run's warm-up kept its cache first"
+        elif problem is None:  # nothing to copy, ever: an empty entry says so, and no run warms up again
+            with contextlib.suppress(FileExistsError):
+                seed_cache_entry(sha1).mkdir(parents=True)
+                info["kept"] = True
+                log.harness(f"the starting program {sha1[:12]} compiled nothing here (bench/train.py compiles "
+                            "on CUDA only): later runs need no warm-up")
+        if problem is not None:
+            info["reason"] = problem
+            log.harness(f"the warm-up kept no compile cache ({problem}); the candidate compiles from cold")
+    except (Outcome, OSError) as e:  # the sandbox could not start it: the candidate's own start will say so
+        info["reason"] = e.reason if isinstance(e, Outcome) else f"{type(e).__name__}: {e}"
+        log.harness(f"the warm-up could not run ({info['reason']}); the candidate compiles from cold")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    info["seconds"] = round(time.monotonic() - began, 2)
 
 
 # --- the parts of a run --------------------------------------------------------------------------
@@ -1233,10 +1345,13 @@ DATA_SEED_STRIDE = 1_000_003  # tokens between the start offsets of two harness 
 
 def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mode: str, budget: float,
            startup: float, export: float, log: RunLog, result: dict[str, Any], hidden: list[Path],
-           compile_from: str | None = None, gate: Gate | None = None) -> tuple[Watch, DataServer]:
+           compile_from: str | None = None, gate: Gate | None = None,
+           warm_up: bool = False) -> tuple[Watch, DataServer]:
     """Run the candidate in `mode` with scratch as its directory; returns once no process of it
     is left (Watch.left: those that could not be killed). compile_from: the sha1 of the lab's
-    starting program, whose kept compile cache the scratch starts with (a copy)."""
+    starting program, whose kept compile cache the scratch starts with (a copy). warm_up: the
+    program is the starting program, run only to compile (see _warm_compile_cache): it is served
+    no data and stopped at its first request."""
     scratch.mkdir()
     (scratch / "train.py").write_bytes(code)  # the bytes that were hashed are the bytes that run
     _seed_compile_cache(compile_from, scratch, log, result)
@@ -1289,7 +1404,7 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     # Every measured run (seed 0) sees the same stream: differences are the program's, not the data
     # order's. Repeat runs of one program (seeds 1, 2, ...) start elsewhere in it.
     seed = int(result.get("seed") or 0) * DATA_SEED_STRIDE
-    server = DataServer(tokens, ours, seed, gate).start()
+    server = DataServer(tokens, ours, seed, gate, hold=warm_up).start()
     if gate is not None and gate.closed():
         log.harness("the run before this one on the GPU is being evaluated: the candidate starts up beside it, "
                     "and its first batch waits until the controller hands the GPU over")
@@ -1310,8 +1425,12 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
     else:
         argv = python
     how = {"bwrap": "sandboxed", "uid": f"as uid {uid}", "container": "in its container"}.get(mode, "NOT sandboxed")
-    log.harness(f"running candidate {result['candidate_sha1'][:12]} ({prepare.PROFILE} profile, budget "
-                f"{budget:g}s, {how})")
+    if warm_up:
+        log.harness(f"warming up the compile cache: the starting program {result['candidate_sha1'][:12]} runs "
+                    f"up to its first batch ({prepare.PROFILE} profile, {how}); this is not a measurement")
+    else:
+        log.harness(f"running candidate {result['candidate_sha1'][:12]} ({prepare.PROFILE} profile, budget "
+                    f"{budget:g}s, {how})")
     swept: list[tuple[int, list[int]]] = []
     try:
         w = _run_sandboxed(argv, cwd=scratch, env=env,
@@ -1319,7 +1438,8 @@ def _train(code: bytes, *, run_dir: Path, scratch: Path, tokens, source: str, mo
                            server=server, budget=budget, startup=startup, export=export, log=log,
                            limits=limits, confine=confine, info_fd=info_w, info_r=info_r,
                            reap=(lambda: swept.append(sweep_uid(uid))) if mode == "uid" else None,
-                           export_dir=scratch / "export", fitness=fitness)
+                           export_dir=scratch / "export", fitness=fitness, stop_when_ready=warm_up,
+                           prefix="[warm-up] " if warm_up else "")
     finally:
         theirs.close()
         os.close(fit_w)
@@ -1632,8 +1752,8 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
              curve_path: Path, num_shards: int | None, endpoint: str | None, keep_run_dir: bool,
              mode: str, log: RunLog, result: dict[str, Any], compile_from: str | None = None,
              gate: Gate | None = None, handover: Path | None = None, handback: Path | None = None,
-             eval_limit_seconds: float | None = None) -> None:
-    """--phase all: prepare, train, evaluate, in this process."""
+             eval_limit_seconds: float | None = None, starting: Path | None = None) -> None:
+    """--phase all: prepare, (warm the compile cache,) train, evaluate, in this process."""
     code = _read_candidate(candidate, result)
     harness_hashes = _harness_hashes()
     budget, startup, export = _allowances(budget, startup_allowance)
@@ -1651,11 +1771,14 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         eval_dir = Path(tempfile.mkdtemp(prefix="autolab-eval-"))
         cleanup.append(eval_dir)
         _room_to_run(run_dir, eval_dir)
+        hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
+        _warm_compile_cache(compile_from, starting, tokens=data.tokens("train"), source=data.source, mode=mode,
+                            budget=budget, startup=startup, harness_hashes=harness_hashes, log=log, result=result,
+                            hidden=hidden)
         if _early_evaluator():
             evaluator = Evaluator(eval_dir, data, log, sandbox.wants_gpu())
             log.harness("the evaluator gets ready (data, torch, device) while the candidate starts up")
         scratch = run_dir / "scratch"
-        hidden = [prepare.cache_root(), data.path, data.file("val.bin"), eval_dir]
         gpu = _gpu_memory(mode, evaluator)
         try:
             w, server = _train(code, run_dir=run_dir, scratch=scratch, tokens=data.tokens("train"),
@@ -1666,6 +1789,9 @@ def _execute(candidate: Path, *, source: str, budget: float | None, startup_allo
         training = _judge(w, server, mode=mode, harness_hashes=harness_hashes, budget=budget, result=result)
         _keep_compile_cache(compile_from, scratch, log, result)
         result["timing"]["prepare_seconds"] = prepared
+        warmed = (result.get("compile_cache") or {}).get("warm_up")
+        if warmed:
+            result["timing"]["warm_up_seconds"] = warmed.get("seconds")
         _keep_curve(_regular_file("curve.jsonl", CURVE_LIMIT_BYTES, scratch), curve_path, result)
 
         # Out of the scratch directory into one the candidate never saw; nothing of it runs now.
@@ -1811,10 +1937,12 @@ def _settle(result: dict[str, Any], run: Any) -> None:
 
 
 # Where a run's wall time went, in the order it is spent. "prepare" is the data check (and a
-# first run's tokenising); "start-up" runs from launching the candidate to its first training
+# first run's tokenising); "compile-cache warm-up" the starting program's run up to its first
+# batch on a machine that kept no cache of it (--starting-program); "start-up" runs from launching the candidate to its first training
 # batch (imports, model build, sandbox); "export" from its last batch to its exit (the compiled
 # model's export); "evaluate" the harness's own val_bpb pass on the exported model.
-TIME_PARTS = (("prepare", "prepare_seconds"), ("start-up", "startup_seconds"),
+TIME_PARTS = (("prepare", "prepare_seconds"), ("compile-cache warm-up", "warm_up_seconds"),
+              ("start-up", "startup_seconds"),
               ("waiting for the GPU", "gpu_wait_seconds"),
               ("training", "training_seconds"), ("export", "export_seconds"),
               ("evaluate", "evaluate_seconds"))
@@ -1877,7 +2005,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                   curve_path: str | os.PathLike | None = None, num_shards: int | None = None,
                   endpoint: str | None = None, keep_run_dir: bool = False, echo: bool = True,
                   sandbox_request: str = "auto", key: bytes | None = None, run: str | None = None,
-                  seed: int = 0, compile_from: str | None = None, gate: str | os.PathLike | None = None,
+                  seed: int = 0, compile_from: str | None = None,
+                  starting_program: str | os.PathLike | None = None, gate: str | os.PathLike | None = None,
                   gate_owner_fd: int | None = None,
                   handover: str | os.PathLike | None = None,
                   handback: str | os.PathLike | None = None,
@@ -1893,7 +2022,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
     source defaults to $AUTOLAB_SOURCE or "hub"; budget to prepare.TIME_BUDGET;
     the curve goes to curve_path, by default `<result stem>.curve.jsonl` next
     to the result. compile_from: the sha1 of the lab's starting program (see
-    COMPILE_SEEDS); gate, gate_owner_fd, handover, handback, eval_limit_seconds: see --gate,
+    COMPILE_SEEDS); starting_program: the path of its bytes, run to warm the cache where none is
+    kept (see --starting-program); gate, gate_owner_fd, handover, handback, eval_limit_seconds: see --gate,
     --gate-owner-fd, --handover, --handback,
     --eval-limit. Never raises for
     a failed candidate: see result["status"].
@@ -1912,7 +2042,8 @@ def run_candidate(candidate: str | os.PathLike, result_path: str | os.PathLike, 
                  curve_path=curve, num_shards=num_shards, endpoint=endpoint, keep_run_dir=keep_run_dir,
                  mode=mode, log=log, result=result, compile_from=compile_from,
                  gate=Gate(Path(gate), gate_owner_fd) if gate else None, handover=Path(handover) if handover else None,
-                 handback=Path(handback) if handback else None, eval_limit_seconds=eval_limit_seconds)
+                 handback=Path(handback) if handback else None, eval_limit_seconds=eval_limit_seconds,
+                 starting=Path(starting_program) if starting_program and compile_from else None)
 
     _settle(result, execute)
     return _finish(result, result_path, log=log, key=key, termination_log=termination_log)
@@ -2249,6 +2380,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sha1 of the lab's starting train.py (its owner's code, not an agent's): a run "
                              "of exactly those bytes keeps its compile cache, and every run starts with a copy "
                              "(phase all)")
+    parser.add_argument("--starting-program", default=None, metavar="PATH",
+                        help="with --compile-cache-from: the starting train.py's bytes (their sha1 must be that "
+                             "one); where no compile cache of it is kept yet, the harness first runs it in the "
+                             "sandbox up to its first batch to compile and keep one (phase all; not a measurement)")
     parser.add_argument("--gate", default=None, metavar="FILE",
                         help="phase all: the candidate's first batch waits while FILE exists (the controller "
                              "started this run while the one before it on the GPU is evaluated); the wait is "
@@ -2296,8 +2431,8 @@ def main(argv: list[str] | None = None) -> int:
         startup_allowance=args.startup_allowance, log_path=args.log, termination_log=args.termination_log,
         curve_path=args.curve, num_shards=args.num_shards, endpoint=args.endpoint, keep_run_dir=args.keep_run_dir,
         sandbox_request=args.sandbox, key=key, run=args.run, seed=args.seed,
-        compile_from=args.compile_cache_from, gate=args.gate, gate_owner_fd=args.gate_owner_fd,
-        handover=args.handover,
+        compile_from=args.compile_cache_from, starting_program=args.starting_program, gate=args.gate,
+        gate_owner_fd=args.gate_owner_fd, handover=args.handover,
         handback=args.handback, eval_limit_seconds=args.eval_limit,
     )
     return EXIT_CODES[result["status"]]

@@ -24,7 +24,17 @@ result then says.
 
 Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
 train.py>`, so that it starts with a copy of the compile cache the first run of
-that program kept (bench/run.py says why only that program's is kept).
+that program kept (bench/run.py says why only that program's is kept). On a
+machine where that program never ran (a lab resumed on a new GPU host, its
+master measured elsewhere) there is no such cache, so each run also gets the
+program's bytes, `starting.py` in its directory (the first commit's blob, read
+from git like the pinned harness), with `--starting-program`: a harness that
+finds no kept cache runs them first, in its sandbox, up to their first batch,
+and keeps what they compiled; that warm-up is part of the run's harness
+process, never a run of its own, so nothing here tracks it. A lab whose pinned
+harness predates the option gets neither file nor option (its run.py is
+searched for the option's name, as for the other options below) and compiles
+from cold as it did.
 
 A run started up ahead of its turn (`start_next`, `.autolab/runs/.next-<slot>/`)
 waits at its gate for a submit that only a living controller makes, so unlike
@@ -56,7 +66,7 @@ import weakref
 from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
-                                    pinned_harness, starting_program_sha1)
+                                    pinned_harness, starting_program)
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
 from controller.lab.repo import atomic_write
@@ -155,7 +165,7 @@ class LocalBackend:
         self.runs = LabPaths.of(self.root).state / "runs"
         self.bench = Path(bench_dir) if bench_dir else self.root / "bench"
         self.cache_dir = cache_dir
-        self._start: tuple[str | None] | None = None  # (sha1 of the starting program,), once known
+        self._start: tuple[str | None, bytes | None] | None = None  # the starting program (sha1, bytes)
         self._owner: weakref.finalize | None = None  # closes the pipe runs started ahead watch
 
     def close(self) -> None:
@@ -345,10 +355,13 @@ class LocalBackend:
             cmd += ["--budget", str(req.budget_seconds)]
         if req.seed:
             cmd += ["--seed", str(req.seed)]
-        start = self._starting_program(harness)
+        knows = (harness / "run.py").read_bytes()  # a lab's pinned harness may predate these
+        start, program = self._starting_program(harness)
         if start:  # the one compile cache runs may start from: the lab's own starting program's
             cmd += ["--compile-cache-from", start]
-        knows = (harness / "run.py").read_bytes()  # a lab's pinned harness may predate these
+            if program is not None and b"--starting-program" in knows:  # built here if none is kept
+                (d / "starting.py").write_bytes(program)
+                cmd += ["--starting-program", "starting.py"]
         fds = [key_r]
         if b"--handover" in knows:
             cmd += ["--handover", "handover"] + (["--gate", "gate"] if ahead else [])
@@ -382,13 +395,15 @@ class LocalBackend:
             "fingerprint": self._fingerprint(req), "ahead": ahead, "run": req.run,
             "owner": {"pid": os.getpid(), "start": _start_ticks(os.getpid())} if ahead else None}) + "\n")
 
-    def _starting_program(self, harness: Path) -> str | None:
-        """The sha1 of the lab's starting train.py, if the pinned harness keeps compile caches
-        (a lab made before it did runs every candidate from a cold cache)."""
+    def _starting_program(self, harness: Path) -> tuple[str | None, bytes | None]:
+        """The sha1 and the bytes of the lab's starting train.py, if the pinned harness keeps
+        compile caches (a lab made before it did runs every candidate from a cold cache)."""
         if self._start is None:
-            supported = b"--compile-cache-from" in (harness / "run.py").read_bytes()
-            self._start = (starting_program_sha1(self.root) if supported else None,)
-        return self._start[0]
+            program = None
+            if b"--compile-cache-from" in (harness / "run.py").read_bytes():
+                program = starting_program(self.root)
+            self._start = (hashlib.sha1(program).hexdigest() if program is not None else None, program)
+        return self._start
 
     def _judge(self, run: str, launch: dict) -> dict:
         """The result of a run that has ended, as far as the controller believes it."""

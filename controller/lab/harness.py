@@ -35,14 +35,21 @@ def _first_commit(root: Path) -> str | None:
     return roots[-1] if out.returncode == 0 and roots else None
 
 
-def starting_program_sha1(root: Path, surface: str = "bench/train.py") -> str | None:
-    """The sha1 of the lab's starting train.py (its first commit's surface): its owner's code, the
-    one program whose compile cache every run may start from (bench/run.py, COMPILE_SEEDS)."""
+def starting_program(root: Path, surface: str = "bench/train.py") -> bytes | None:
+    """The bytes of the lab's starting train.py (its first commit's surface): its owner's code, the
+    one program whose compile cache every run may start from (bench/run.py, COMPILE_SEEDS), and
+    the one a harness may run, before a candidate, to build that cache on a machine that has none."""
     commit = _first_commit(root)
     if commit is None:
         return None
     out = git_bytes(root, "show", f"{commit}:{surface}")
-    return hashlib.sha1(out.stdout).hexdigest() if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def starting_program_sha1(root: Path, surface: str = "bench/train.py") -> str | None:
+    """The sha1 of the lab's starting train.py (see starting_program)."""
+    code = starting_program(root, surface)
+    return hashlib.sha1(code).hexdigest() if code is not None else None
 
 
 def pinned_harness(root: Path) -> Path:
