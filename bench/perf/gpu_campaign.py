@@ -76,9 +76,13 @@ def main() -> int:
     ap.add_argument("--profile", default="default", help="tiny: a smoke test on a CPU")
     ap.add_argument("--wall-limit", type=float, default=None, help="stop autolab run after S s")
     ap.add_argument("--resume", action="store_true", help="go on with the lab at --lab")
+    ap.add_argument("--report-only", action="store_true",
+                    help="print the tables of the lab at --lab (a campaign may still run)")
     a = ap.parse_args()
     root = Path(a.lab)
     from controller.local import LocalLab
+    if a.report_only:
+        return report(root, a.budget, float("nan"))
     if a.resume:
         return report(root, a.budget, run(root, a.wall_limit))
     made = autolab("init", str(root), "--profile", a.profile, "--data", a.data,

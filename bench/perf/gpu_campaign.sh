@@ -44,6 +44,7 @@ case $MODE in
     prepare_corpus .devtools/mkcorpus.py
     rm -rf "$LAB"
     date +%s > /tmp/gpu-campaign.started
+    echo "$BUDGET" > /tmp/gpu-campaign.budget
     setsid $PY bench/perf/gpu_campaign.py --data "dir:$DATA" --budget "$BUDGET" --lab "$LAB" \
         > $LOG 2>&1 < /dev/null &
     echo $! > /tmp/gpu-campaign.pid
@@ -62,7 +63,7 @@ esac
 
 [ -d "$LAB/research" ] || { tail -30 $LOG; exit 1; }
 ( cd "$LAB" && $PY -m controller.cli.main get -o wide > "$OUTDIR/get-wide.txt" 2>&1
-  for e in matrix-lr-022 seed-only dead-constant; do
+  for e in $(ls experiments | sed 's/\.yaml$//'); do
     $PY -m controller.cli.main describe $e 2>&1 | sed -n '/^Pairs:/,/^Conditions:/p'
   done > "$OUTDIR/pairs.txt" )
 cp "$LAB/research/results.tsv" "$OUTDIR/"
@@ -104,15 +105,7 @@ if gaps:
     print(f"GPU timeline between trainings (one run's last training second to the next's first): "
           f"mean {sum(gaps)/len(gaps):.1f} s over {len(gaps)} gaps {[round(g, 1) for g in gaps]}")
 print(f"wall from launch to the ledger's last write: {(lab / 'research/results.tsv').stat().st_mtime - started:.0f} s")
-from controller.local import LocalLab
-L = LocalLab(lab)
-for name in ("matrix-lr-022", "seed-only", "dead-constant"):
-    try:
-        s = L.read_record(name)["status"]
-    except Exception as e:  # noqa: BLE001
-        print(f"{name:14} no record ({e})"); continue
-    p = s.get("pairs") or {}
-    why = (p.get("verdict") or {}).get("explain", s.get("message"))
-    print(f"{name:14} {s.get('phase')} {s.get('outcome') or ''}: {why}")
 EOF
-cat "$OUTDIR/table.txt" "$OUTDIR/get-wide.txt"
+$PY bench/perf/gpu_campaign.py --report-only --lab "$LAB" --budget "$(cat /tmp/gpu-campaign.budget 2>/dev/null || echo 45)" \
+    > "$OUTDIR/outcomes.txt" 2>&1
+cat "$OUTDIR/table.txt" "$OUTDIR/get-wide.txt" "$OUTDIR/outcomes.txt"
