@@ -321,6 +321,7 @@ def core_rows(kind: str, decisions: int, rng: random.Random, per_master: int = 4
     stand-in's values, the master's places kept in a dict, and what the engine does for the
     intents (a run, a place kept, a promotion) done here. Thousands of decisions a minute, where
     the real controller (git, files, the slot book) takes about a second each on 2 cores."""
+    from controller.core.noise import lord_level
     from controller.core.reconcile import Master, World, reconcile
     from controller.core.spec import ExperimentSpec, LabSpec
 
@@ -344,8 +345,10 @@ def core_rows(kind: str, decisions: int, rng: random.Random, per_master: int = 4
                         "queuedAt": "t", "conditions": []}
             spent, promoted = 0, False
             for _ in range(200):
+                # the k-th test after a promotion, at the online FDR control's level
                 w = World(name=f"e{k}", spec=spec, lab=lab_spec, master=master, now="t",
-                          status=st, slot="0", tries=1, entropy=rng.getrandbits(64))
+                          status=st, slot="0", tries=k + 1, level=lord_level(k + 2, (1,)),
+                          entropy=rng.getrandbits(64))
                 d = reconcile(w)
                 sub = next((i for i in d.intents if i.kind == "submit"), None)
                 if sub is not None:
