@@ -264,3 +264,12 @@ def test_the_dashboard_opens_with_the_curves_unsmoothed():
     assert tracking.dashboard_url("http://127.0.0.1:7860/?project=autolab-x&write_token=t") == \
         "http://127.0.0.1:7860/?project=autolab-x&write_token=t&smoothing=0"
     assert tracking.dashboard_url("http://h/runs") == "http://h/runs?smoothing=0"
+
+
+def test_an_undecided_verdict_is_a_trackio_run_and_its_pair_runs_and_lost_tries_are_not():
+    from controller.lab.tracking import outcome_of, tracked
+
+    verdict = {"status": "undecided", "backend": "local", "outcome": "Undecided"}
+    assert tracked(verdict) and outcome_of(verdict) == "undecided"
+    assert not tracked({"status": "confirm", "backend": "local"})
+    assert not tracked({"status": "lost", "backend": "local"})

@@ -70,7 +70,7 @@ from controller.lab.paths import LabPaths
 
 
 SYNC_TIMEOUT_SECONDS = 300
-TRACKED_STATUSES = ("succeeded", "failed", "error", "cancelled", "baseline")
+TRACKED_STATUSES = ("succeeded", "failed", "error", "cancelled", "undecided", "baseline")
 # The charts, first to last (TRACKIO_PLOT_ORDER; trackio puts any other metric after them).
 CHART_ORDER = ("val_bpb", "delta", "loss", "tokens_per_sec", "elapsed_seconds", "mfu_percent",
                "peak_vram_mb")
