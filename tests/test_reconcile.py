@@ -184,7 +184,8 @@ def test_baseline_runs_are_named_per_lab_and_attempt():
     ("failed", {"status": "failed", "reason_code": "CandidateCrashed"}, "Failed", "failed"),
     ("failed", {"status": "failed", "reason_code": "BudgetExceeded"}, "Failed", "failed"),
     ("lost", None, "Queued", "lost"),
-    ("error", {"status": "error", "reason_code": "DataUnavailable"}, "Queued", "lost"),
+    ("error", {"status": "error", "reason_code": "DataUnavailable"}, "Failed", "error"),
+    ("error", {"status": "error", "reason_code": "HarnessError"}, "Queued", "lost"),
     ("error", None, "Queued", "lost"),
 ])
 def test_only_what_the_candidate_did_counts_as_measured(state, result, phase, row_status):

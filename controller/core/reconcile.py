@@ -65,6 +65,10 @@ from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FA
 # controller restarted elsewhere, the evaluator lost. Three: preemptions come in bursts, and a
 # fourth loss in a row says the machine, not the weather, is at fault (RunsLost).
 LOST_RETRIES = 3
+# Faults of the machine that another try on it would meet again: no sandbox that works, no data,
+# the lab's harness files changed during the run. They end the experiment at once, not measured
+# (the same change may be applied again once the machine is fixed), as before retries.
+NOT_RETRIED = ("SandboxUnavailable", "DataUnavailable", "HarnessTampered")
 
 SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
                 "total_tokens_M", "num_steps", "num_params_M", "depth")
@@ -553,9 +557,9 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
         return _settle_terminal(s)
     if st.get("pairs"):
         return _pair_run_finished(s, run)
-    if run.state in ("error", "lost"):  # not the candidate's doing: its place is run again
+    if _retried(run):  # not the candidate's doing: its place is run again
         return _lost(s, run)
-    if run.state == "failed":
+    if run.state in ("failed", "error", "lost"):
         reason = {"failed": Reason.CANDIDATE_FAILED, "error": Reason.INFRASTRUCTURE_ERROR,
                   "lost": Reason.RUN_LOST}[run.state]
         code = (run.result or {}).get("reason_code")
@@ -595,10 +599,20 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     program = job.get("program", "candidate")
     val = ((run.result or {}).get("metrics") or {}).get(w.lab.metric)
     ok = run.state == "succeeded" and _finite(val)
-    if not ok and (program == "master" or run.state in ("error", "lost")):
+    if not ok and (_retried(run) or (program == "master" and run.state != "error")):
         # Not the candidate's doing: the master's run, or the machine. The place is run again;
         # the pairs so far stay.
         return _lost(s, run)
+    if not ok and run.state == "error":  # a fault that running again cannot mend
+        why = (run.result or {}).get("reason") or run.message or run.state
+        code = (run.result or {}).get("reason_code") or Reason.INFRASTRUCTURE_ERROR
+        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
+                                                          status="error")}))
+        s.phase(FAILED, code, f"pair run {job['name']} ({program}, place {job.get('place')}) "
+                              f"could not run: {why}. Nothing is held against the candidate: fix "
+                              "the machine, then apply it again under a new name; it continues "
+                              "from its pairs.", warning=True)
+        return _settle_terminal(s)
     row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
     s.intents.append(Intent("record", {"row": row}))
     if not ok:
@@ -658,6 +672,15 @@ def _lost(s: _Step, run: RunObservation) -> Decision:
     else:
         s.phase(QUEUED, Reason.RUN_RETRIED, msg)
     return s.decision()
+
+
+def _retried(run: RunObservation) -> bool:
+    """Whether a run that ended without a verdict on the candidate is run again at its place:
+    one lost, or one the machine failed for a reason another try may not meet (a harness fault,
+    an evaluator lost, no authentic result); not a fault another try is sure to meet again
+    (NOT_RETRIED), nor a verdict of the harness on the candidate (`failed`)."""
+    code = (run.result or {}).get("reason_code")
+    return run.state == "lost" or (run.state == "error" and code not in NOT_RETRIED)
 
 
 def _begin_test(w: World, st: dict) -> bool:
