@@ -254,7 +254,7 @@ class StandIn:
 
 def test_one_slot_serves_specs_in_the_order_applied_and_new_ideas_between_a_decisions_runs(
         tmp_path, monkeypatch, capsys):
-    """One GPU. depth-2 is a hard decision (15 runs: its first, then 7 pairs). While it is
+    """One GPU. depth-2 is a hard decision (its first run, then many pairs). While it is
     under way, `autolab apply -f c.yaml -f a.yaml -f b.yaml` applies three specs at once (in
     one second: their creation stamps differ by microseconds). They are measured in the order c, a, b, not
     in name order; each after at most FIRST_RUN_EVERY runs of depth-2 since the one before
@@ -312,7 +312,7 @@ def test_one_slot_serves_specs_in_the_order_applied_and_new_ideas_between_a_deci
         for before, at in zip([applied] + firsts, firsts):
             assert who[before:at].count("depth-2") <= FIRST_RUN_EVERY + (before == applied), who
         depth2 = [i for i, e in enumerate(who) if e == "depth-2"]
-        assert len(depth2) == 15 and max(firsts) < depth2[-1], who
+        assert len(depth2) >= 9 and max(firsts) < depth2[-1], who  # a long decision
         st = json.loads(lab.paths.status_file("depth-2").read_text())["status"]
         assert st["phase"] == "Succeeded", st
 
