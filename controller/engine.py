@@ -490,7 +490,7 @@ class Engine:
                       recorded=self.ledger.has_run(st.get("run") or job.get("name")
                                                    or run_name(name)),
                       worktree=self._leftovers(name, st), near_duplicates=near,
-                      **self._test_of(name, st))
+                      **self._test_of(name, st, slot))
             decision = reconcile(w)
             if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
                 self.book.release(name)
@@ -642,7 +642,7 @@ class Engine:
         w = World(name=nxt, spec=spec, lab=self._world_lab(), master=self.master.master(), now=utcnow(),
                   status=st, spec_error=spec_error, generation=obs.generation, deleting=False, slot=slot,
                   recorded=self.ledger.has_run(st.get("run") or run_name(nxt)),
-                  worktree=self._leftovers(nxt, st), **self._test_of(nxt, st))
+                  worktree=self._leftovers(nxt, st), **self._test_of(nxt, st, slot))
         decision = reconcile(w)
         submit = next((i for i in decision.intents if i.kind == "submit"), None)
         if submit is None or "materialise" in decision.kinds() \
@@ -858,15 +858,16 @@ class Engine:
                 doc["promoted"].append(name)
                 atomic_write(self.paths.state / "tests.json", json.dumps(doc) + "\n")
 
-    def _test_of(self, name: str, st: dict) -> dict:
+    def _test_of(self, name: str, st: dict, slot: str | None) -> dict:
         """What the World says of an experiment's test: its number against its master, its
-        level (kept on the status once it began) and the pairs it may carry."""
+        level (kept on the status once it began) and the pairs it may carry (looked up in the
+        ledger only once it holds a slot: when its decision is about to begin)."""
         level = st.get("level")
         if level is None:
             level = self._level_of(name, self._campaign())
         carried = None
-        if not st.get("pairs") and not st.get("job") and st.get("candidateHash") \
-                and st.get("phase") in ("Queued", "Confirming"):
+        if slot is not None and not st.get("pairs") and not st.get("job") \
+                and st.get("candidateHash") and st.get("phase") in ("Queued", "Confirming"):
             master = self.master.master()
             if st.get("parentHash") == master.hash:
                 carried = carried_values(self.ledger.rows(), st["candidateHash"], master.hash,
