@@ -219,6 +219,46 @@ def test_a_job_that_vanishes_from_the_service_is_lost_and_run_again(server, tmp_
     assert [j.spec["labels"]["autolab-run"] for j in server.created()] == ["exp-vanish-1-t2"]
 
 
+def test_a_master_run_and_a_candidate_run_lost_mid_decision_run_again_and_the_pairs_stay(
+        server, tmp_path):
+    """Issue 45 on Hugging Face Jobs: a paired decision (minDelta auto). At place 2 both runs,
+    the master's and the candidate's (in the order its coin drew), end once in ERROR with no
+    result (a preempted node). Each runs again at place 2 under a name of its own; the decision
+    ends promoted on the same pairs, and the ledger has each lost try once, as lost."""
+    import re
+
+    lab = make_lab(tmp_path / "lab")
+    doc = yaml.safe_load((lab.root / "lab.yaml").read_text())
+    doc["spec"]["promotion"] = {"minDelta": "auto"}
+    (lab.root / "lab.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    lab = LocalLab(lab.root)
+
+    def measured(job) -> list[str]:  # the master 0.2 worse than the candidate at every place
+        run = job.spec["labels"]["autolab-run"]
+        place = re.search(r"-[mp](\d+)", run)
+        base = 2.5 if re.search(r"-m\d+", run) else 2.3
+        return genuine_result(job, base + 0.001 * (int(place.group(1)) if place else 1))
+
+    ok = Script(stage="COMPLETED", logs=measured)
+    lost = Script(stage="ERROR", message="the node was preempted")
+    for script in (ok, lost, ok, lost, ok, ok, ok):
+        server.script_next(script)
+    apply(lab, "paired")
+    step_until(lab, lambda: phase(lab, "paired") == "Succeeded", timeout=120)
+    st = lab.read_record("paired")["status"]
+    assert st["outcome"] == "Promoted", st["message"]
+    assert st["pairs"]["candidate"] == pytest.approx([2.301, 2.302, 2.303])
+    assert st["pairs"]["master"] == pytest.approx([MASTER_VAL, 2.502, 2.503])
+    assert sorted((x["program"], x["place"], x["state"]) for x in st["lostRuns"]) == [
+        ("candidate", 2, "error"), ("master", 2, "error")]
+    rows = runs_of(lab, "paired")
+    assert len({r for r, _, _ in rows}) == len(rows)  # nothing counted twice
+    assert sorted((r, status) for r, status, _ in rows if status == "lost") == [
+        ("exp-paired-1-m2", "lost"), ("exp-paired-1-p2", "lost")]
+    made = [j.spec["labels"]["autolab-run"] for j in server.created()]
+    assert {"exp-paired-1-m2-t2", "exp-paired-1-p2-t2"} <= set(made) and len(made) == 7, made
+
+
 def test_deleting_the_experiment_cancels_its_job_and_records_it(server, tmp_path):
     lab = make_lab(tmp_path / "lab")
     apply(lab, "long")

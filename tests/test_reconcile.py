@@ -505,3 +505,17 @@ def test_a_status_from_before_pairs_is_measured_again_in_pairs():
     assert (d.status["reason"], d.status["attempt"]) == ("FollowUp", 2)
     assert "confirm" not in d.status
     assert next_run("e", d.status) == {"name": "exp-e-2", "program": "candidate", "place": 1}
+
+
+def test_a_master_measured_before_places_keeps_its_value_at_place_1_once_others_are_measured():
+    """A master whose val_bpb came from one run before places stands for place 1; a master run
+    at place 2 (kept by `set-place`) must not take that away, or every decision against it
+    waits for a baseline that never comes."""
+    old = Master(hash="a" * 40, semantic_hash="b" * 40, commit="c" * 40, val_bpb=1.0,
+                 places={2: 1.01})
+    assert (old.place(1), old.place(2), old.place(3)) == (1.0, 1.01, None)
+    status = st("Confirming", parentHash="a" * 40, parentValBpb=1.0, run="exp-e-1", tries=1,
+                pairs={"candidate": [0.9, 0.91], "master": [1.0, 1.01]})
+    d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=old, now=NOW, status=status,
+                        slot="0"))
+    assert [i.kind for i in d.intents] == ["submit"], d.status.get("conditions")

@@ -91,9 +91,10 @@ class Master:
 
     def place(self, i: int) -> float | None:
         """The master's value at place `i`. A master measured before places (its val_bpb from
-        one run on seed 0) stands for place 1 with that value."""
+        one run on seed 0) stands for place 1 with that value, also once later places of it
+        are measured (else its decisions would wait for a baseline that never comes)."""
         v = self.places.get(i)
-        if v is None and i == 1 and not self.places:
+        if v is None and i == 1:
             return self.val_bpb
         return v
 
