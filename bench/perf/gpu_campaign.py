@@ -42,10 +42,11 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-EDITS = {  # name: (old, new, hypothesis), applied in this order
+EDITS = {  # name: (old, new, hypothesis), applied in this order; old/new may be tuples of lines
     "batch-2-18": ("TOTAL_BATCH_TOKENS = 2**19", "TOTAL_BATCH_TOKENS = 2**18",
                    "PR #44: halve the batch, more steps in the budget."),
-    "depth-9": ("DEPTH = 8  #", "DEPTH = 9  #", "PR #44: one more block."),
+    "depth-9": (("DEPTH = 8  #", "ASPECT_RATIO = 64  #"), ("DEPTH = 9  #", "ASPECT_RATIO = 57  #"),
+                "PR #44: one more block, about the same width (aspect ratio 57)."),
     "embedding-lr-04": ("EMBEDDING_LR = 0.3", "EMBEDDING_LR = 0.4",
                         "PR #44: a third higher embedding learning rate."),
     "rope-50k": ("ROPE_BASE = 10_000.0", "ROPE_BASE = 50_000.0",
@@ -93,16 +94,12 @@ def main() -> int:
     lab = LocalLab(root)
     src = lab.repo.master_source()
     for name, (old, new, hypothesis) in EDITS.items():
-        if name == "depth-9":
-            old, new = "ASPECT_RATIO = 64  #", "ASPECT_RATIO = 57  #"
-            src9 = src.replace("DEPTH = 8  #", "DEPTH = 9  #", 1).replace(old, new, 1)
-            diff = "".join(difflib.unified_diff(src.splitlines(True), src9.splitlines(True),
-                                                "a/train.py", "b/train.py"))
-        else:
-            assert old in src, f"{old!r} is not in bench/train.py"
-            diff = "".join(difflib.unified_diff(src.splitlines(True),
-                                                src.replace(old, new, 1).splitlines(True),
-                                                "a/train.py", "b/train.py"))
+        edited = src
+        for o, n in zip(*((x,) if isinstance(x, str) else x for x in (old, new))):
+            assert o in edited, f"{o!r} is not in bench/train.py"
+            edited = edited.replace(o, n, 1)
+        diff = "".join(difflib.unified_diff(src.splitlines(True), edited.splitlines(True),
+                                            "a/train.py", "b/train.py"))
         doc = {"apiVersion": "autolab.dev/v1alpha1", "kind": "Experiment",
                "metadata": {"name": name},
                "spec": {"hypothesis": hypothesis, "parent": lab.repo.master().hash[:12],
