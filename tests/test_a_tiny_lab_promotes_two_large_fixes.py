@@ -8,12 +8,21 @@ their pairs spread widely, and at the cap of 3 pairs their t fell short while th
 intervals were far from zero (before: both Rejected, "no measurable effect"). Now a decision
 whose interval excludes no effect goes on past the cap (`controller.core.noise.hard_cap`), so
 both fixes reach the master, one after the other, the second rebased onto the first.
+
+Its runs train for a budget of wall-clock seconds, so a run starved of CPU by the rest of the
+suite trains fewer steps than its master did at a quieter moment: in CI (3 workers on 2 cores)
+the second fix, worth 70 % of val_bpb, once measured a gain of -0.019 on its first pair and was
+rejected. The test asks the scheduler to favour its own processes (nice -10, where it may) so
+that it measures the lab's decisions, not the suite's load.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
+
+import pytest
 
 from controller.cli.lab import default_max_pairs, init_lab
 from controller.local import LocalLab
@@ -23,8 +32,20 @@ HANDICAPS = (("    UNEMBEDDING_LR = 0.02", "    UNEMBEDDING_LR = 0.0002"),
              ("LOGIT_SOFTCAP = 15.0 ", "LOGIT_SOFTCAP = 0.5 "))
 
 
+@pytest.fixture
+def favoured():
+    """This worker and the runs it starts at nice -10 (root only), back to its own after."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except PermissionError:
+        pass
+    yield
+    os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 def test_two_large_fixes_behind_two_handicaps_both_reach_the_master_on_a_linear_history(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, favoured):
     monkeypatch.setenv("AUTOLAB_TRACKING", "0")
     root = tmp_path / "lab"
     # the tiny profile's defaults, at a 2-s budget (the suite's time; the fixes are as large)
