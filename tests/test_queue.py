@@ -105,6 +105,24 @@ def test_a_rebuilt_book_keeps_the_decision_in_progress_and_its_count():
     assert again.confirming is None
 
 
+def test_a_decision_a_promotion_voided_waits_for_the_decisions_turn_not_before_new_ideas():
+    """After a promotion, every decision that was under way starts over on the new master
+    (attempt 2: no pairs yet). Older than the specs applied since, as first runs they would all
+    go before them; as confirmations they go one at a time, and a new spec's first run comes
+    after at most FIRST_RUN_EVERY of their runs."""
+    book = SlotBook(["0"])
+    for i, name in enumerate(("voided-a", "voided-b", "voided-c")):
+        book.observe(name, {"phase": "Confirming", "attempt": 2, "run": f"exp-{name}-2"},
+                     created=f"{T}.00000{i}Z")
+    book.observe("new-idea", {"phase": "Queued"}, created=f"{T}.9Z")
+    assert book.queue() == ["voided-a", "new-idea", "voided-b", "voided-c"]
+    book.confirming, book.since_first = "voided-a", FIRST_RUN_EVERY
+    assert book.next_in_line() == "new-idea"
+    # An experiment's first attempt, with no pairs, is a first run as before.
+    book.observe("voided-a", {"phase": "Queued", "attempt": 1}, created=f"{T}.000000Z")
+    assert book.queue()[0] == "voided-a"
+
+
 # --- the bound ------------------------------------------------------------------------------------
 
 class OneSlotLab:

@@ -229,13 +229,16 @@ class Policy:
     reapply: float = REAPPLY_PROB
     futility: float | None = None  # decide's futility t (None: noise.FUTILITY_T)
     extend: bool = True            # past the cap while the interval excludes no effect
+    restart: str = "confirm"       # a decision a promotion voided starts over as a confirmation
+                                   # ("confirm": in the decisions' turn) or as a first run
+                                   # ("first": in the first runs' line, by creation)
 
 
 PRESETS = {
     "seed": Policy("seed", rule="seed"),
     # today's rules exactly: futility at 1 standard error, a rejection at the cap
     "today": Policy("today", level="today", cap=TODAY_CAP, fre=None, reapply=0.0, futility=1.0,
-                    extend=False),
+                    extend=False, restart="first"),
     "new": Policy("new"),
 }
 
@@ -263,9 +266,11 @@ def parse_policy(text: str, cap: int | None, fre: int | None) -> Policy:
             p = replace(p, futility=float(value))
         elif key == "extend":
             p = replace(p, extend=value not in ("0", "no", "false"))
+        elif key == "restart" and value in ("first", "confirm"):
+            p = replace(p, restart=value)
         else:
             raise SystemExit(f"unknown policy key {key!r} in {text!r}: cap, fre, level, reapply, "
-                             "fut, extend")
+                             "fut, extend, restart (first or confirm)")
     return replace(p, name=text)
 
 
@@ -379,8 +384,13 @@ class PairedLab:
             self.start(d)
         elif self.current is not None:
             d = self.current
-            self.since_first += self.pair(d)
-            self.judge(d)
+            before = self.clock
+            if d.gains:
+                self.pair(d)
+                self.judge(d)
+            else:  # a decision a promotion voided: its first pair on the new master
+                self.start(d)
+            self.since_first += self.clock - before
         else:
             return False
         return True
@@ -480,8 +490,9 @@ class PairedLab:
             if x.attempts >= noise.MAX_ATTEMPTS:  # the engine gives up on it
                 self.finish(x)
                 continue
-            self.queue.append(x)
+            (self.confirming if self.policy.restart == "confirm" else self.queue).append(x)
         self.queue.sort(key=lambda x: x.cand.index)  # the queue's order: creation (as Kueue)
+        self.confirming.sort(key=lambda x: x.cand.index)
 
     def simulate(self) -> Tally:
         while self.step():
@@ -675,7 +686,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{p.name} = " + ("keep if lower, one fixed seed" if p.rule == "seed" else
                           f"{p.level} level, cap {p.cap}, first run after "
                           f"{'never (blocked)' if p.fre is None else f'<= {p.fre} runs'}, "
-                          f"reapply {p.reapply:g}") for p in policies))
+                          f"reapply {p.reapply:g}, a voided decision restarts as a "
+                          f"{'confirmation' if p.restart == 'confirm' else 'first run'}")
+        for p in policies))
     for a in arrivals:
         title = (f"\nagent keeps {WAITING} specs waiting" if a == "waiting" else
                  f"\nall {args.candidates} applied at once")

@@ -456,8 +456,11 @@ def _reconcile_active(s: _Step) -> Decision:
                         "at a time." if p else "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
             # Its place in the queue is the book's (core/slots.py: priority, then creation).
+            # A decision a promotion voided (attempt 2 on) goes on in the decisions' turn, as
+            # its pairs did: it had its first look, and new ideas are not made to wait behind it.
             s.intents.append(Intent("acquire-slot", {
-                "priority": w.spec.priority if w.spec else 0, "confirm": bool(p)}))
+                "priority": w.spec.priority if w.spec else 0, "confirm": bool(p) or
+                int(st.get("attempt") or 1) > 1}))
             return s.decision()
         if nxt["place"] == 1 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)

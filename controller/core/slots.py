@@ -24,6 +24,10 @@ The queue, one rule for the slot book and for the listings (`autolab get`'s QUEU
   every other decision in flight over on the new master, so confirmations side
   by side mostly measure pairs that can no longer be promoted. A confirmation
   waiting for its turn keeps its place for when it comes, and takes no slot.
+  A decision started over that way (attempt 2 on) is a confirmation too: it
+  had its first look, and were it a first run, its older creation time would
+  put every decision a promotion voided before the new specs (on the campaign
+  bench, a new spec's longest wait went from 11 runs to 76).
 - No head-of-line blocking: a decision in progress does not hold the slots
   while new candidates wait for a first run (`FIRST_RUN_EVERY`).
 """
@@ -151,7 +155,8 @@ class SlotBook:
         `created`: when the user applied it (the front end's record; default: the status's
         `createdAt`, when the controller first saw it)."""
         st = ExperimentStatus.parse(status)
-        confirm = isinstance(st.raw.get("pairs"), dict) and st.active
+        confirm = (isinstance(st.raw.get("pairs"), dict) or int(st.raw.get("attempt") or 1) > 1) \
+            and st.active
         with self._lock:
             self._release(name)
             for h in [h for h, who in self.inflight.items() if who == name]:
