@@ -72,3 +72,19 @@ def test_policies_take_their_knobs_from_the_command_line(cb):
     p = cb.parse_policy("new:cap=6:fre=none", 12, 3)
     assert (p.cap, p.fre) == (6, None)
     assert (cb.parse_policy("new", 12, 3).cap, cb.parse_policy("new", 12, 3).fre) == (12, 3)
+
+
+def test_a_new_spec_waits_a_bounded_number_of_runs_even_when_promotions_void_decisions(cb):
+    """Small noise: promotions come often and void the decisions under way. Started over in the
+    decisions' turn (the default), they never push a new spec's first run back by more than the
+    specs ahead of it and FIRST_RUN_EVERY runs each; started over as first runs, in creation
+    order, they went before every newer spec."""
+    out = run(cb, "--streams", "6", "--noise-scale", "0.1", "--arrival", "waiting",
+              "--policies", "new,new:restart=first", "--no-calibration")["results"]["waiting"]
+    bound = (cb.WAITING * (1 + cb.FIRST_RUN_EVERY) + 2) * cb.RUN_SECONDS
+    assert out["new"]["wasted_share"] > 0.05, "the promotions void decisions under way"
+    assert out["new"]["longest_first_wait_worst_s"] <= bound
+    assert out["new:restart=first"]["longest_first_wait_worst_s"] > 2 * bound
+    assert cb.parse_policy("new:restart=first", None, None).restart == "first"
+    with pytest.raises(SystemExit, match="restart"):
+        cb.parse_policy("new:restart=later", None, None)

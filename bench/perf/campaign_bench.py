@@ -32,7 +32,8 @@ What it models
   assume the same noise and effects; none has been measured at 300 s). The agent keeps WAITING
   specs waiting for a first run (a new one arrives when fewer wait), or applies them all at once.
 
-Policies (`--policies`, each `name[:key=value...]`, keys cap, fre, level, reapply)
+Policies (`--policies`, each `name[:key=value...]`, keys cap, fre, level (lord, today or a
+number: every test at that level), reapply, fut, extend, restart)
   seed   the seed lab: one run on one fixed seed, kept if lower than the master's recorded value
          (the master's own single run: its luck included), one candidate after another.
   today  decide(gains, test_alpha(k), cap=10), the k-th test against one master; one decision at
@@ -366,6 +367,8 @@ class PairedLab:
             self.master_tests += 1
             return noise.test_alpha(self.master_tests)
         self.tests += 1
+        if self.policy.level != "lord":  # a number: every test at that level (a ceiling to
+            return float(self.policy.level)  # compare with; it bounds no share of promotions)
         return LORD(self.tests, tuple(self.discoveries))
 
     # the slot
