@@ -113,8 +113,10 @@ from controller.lab.ledger import Ledger
 from controller.lab.memory import near_duplicates, remember_quietly
 from controller.lab.paths import LabPaths
 from controller.lab.profiles import ProfileError, lab_profile
-from controller.lab.repo import (CheckPool, LabRepo, atomic_write, recorded_duplicate,
-                                 shared_check_pool)
+from controller.lab.check_pool import CheckPool, shared_check_pool
+from controller.lab.checks import recorded_duplicate
+from controller.lab.files import atomic_write
+from controller.lab.repo import LabRepo
 from controller.lab.tracking import track_quietly
 
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three

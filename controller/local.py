@@ -54,8 +54,8 @@ from controller.core.spec import LabSpec, SpecError, next_name, trackable, valid
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import precise, utcnow
+from controller.lab.files import atomic_write
 from controller.lab.paths import LAB_FILE, LabPaths
-from controller.lab.repo import atomic_write
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 LOCAL_BACKENDS = ("local", "hf")  # what the local loop can run

@@ -756,7 +756,7 @@ class Operator:
         # Passes wait on the API server and the check pool far more than they compute: kopf's
         # default (cores + 4 threads) let ~15 of them a second through on 2 cores.
         settings.execution.max_workers = self.config.workers or HANDLER_WORKERS
-        from controller.lab.repo import shared_check_pool
+        from controller.lab.check_pool import shared_check_pool
 
         # The pre-run checks' processes, started and ready before the first events: a batch of
         # specs waiting at start-up (resume) would otherwise wait for their imports, which

@@ -97,7 +97,7 @@ from controller.lab.harness import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
 from controller.lab.clock import iso
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 __all__ = ["HfBackend", "HfBackendError", "HfSettings", "token_from_secret", "refusal_message",

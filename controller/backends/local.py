@@ -69,7 +69,7 @@ from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # n
                                     pinned_harness, starting_program)
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 

@@ -24,7 +24,7 @@ from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
 from controller.lab.paths import find_lab_root
-from controller.lab.repo import GitError
+from controller.lab.git import GitError
 from controller.engine import BaselineFailed
 from controller.lab.profiles import profiles
 

@@ -34,7 +34,9 @@ from kubernetes.client.exceptions import ApiException
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import GROUP, VERSION
-from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write, read_places
+from controller.lab.files import atomic_write
+from controller.lab.master import MASTER_BRANCH, read_places
+from controller.lab.repo import LabRepo
 
 MERGE_PATCH = "application/merge-patch+json"
 CUSTOM_OBJECT = "/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}"

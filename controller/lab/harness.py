@@ -10,7 +10,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
