@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends.local import result_signature
+from controller.backends.results import result_signature
 from controller.kube.cluster import sync_repo_master
 from controller.core.hashing import candidate_hash
 from controller.core.reconcile import baseline_run_name

@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 
 from controller.backends import RunRequest
 from controller.backends.kubernetes import KubernetesBackend
-from controller.backends.local import result_signature
+from controller.backends.results import result_signature
 from controller.kube.cluster import Kube, MasterStore, owner_reference
 from controller.core.spec import LabSpec
 from controller.kube.emulator import Emulator

@@ -53,7 +53,7 @@ What the controller believes. The `run` container's termination message
 `AUTOLAB_RESULT` line at the end of that container's log (no candidate ever
 wrote to it), and either only if the container's exit code is the one the
 harness gives that status, the HMAC verifies under the run's key
-(controller.backends.local.result_signature), the result names this run and
+(controller.backends.results), the result names this run and
 the sha1 of the candidate the Job was made for (its annotation). Because the
 train container's own clock is in the candidate's reach, the controller times
 that container from the Pod's status (`state.terminated.startedAt` to
@@ -77,7 +77,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import hashlib
-import hmac
 import json
 import math
 import secrets
@@ -86,7 +85,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from controller.backends import RunRequest
-from controller.backends.local import result_signature
+from controller.backends.results import authentic
 from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPERIMENT, LABEL_LAB,
                                 LABEL_RUN, OURS, ClusterError, Kube)
 from controller.core.reconcile import RunObservation
@@ -140,21 +139,6 @@ def container_security() -> dict[str, Any]:
             "privileged": False, "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def authentic(result: dict, key: bytes, run: str, candidate_sha1: str | None) -> str | None:
-    """None if `result` is this run's harness's (signed with its key, naming it and the
-    candidate it was asked to measure); else what is wrong with it."""
-    sig = result.get("signature")
-    if not isinstance(sig, str) or not hmac.compare_digest(sig, result_signature(key, result)):
-        return "its signature does not verify under this run's key"
-    if result.get("run") != run:
-        return f"it names the run {result.get('run')!r}"
-    if candidate_sha1 and result.get("candidate_sha1") not in (None, candidate_sha1):
-        return "it measured another program than the one this run was asked to run"
-    if result.get("status") == "succeeded" and result.get("candidate_sha1") != candidate_sha1:
-        return "it does not name the candidate it measured"
-    return None
 
 
 class KubernetesBackend:
