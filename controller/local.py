@@ -55,6 +55,7 @@ from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import precise, utcnow
 from controller.lab.files import atomic_write
+from controller.lab.init import make_lab
 from controller.lab.paths import LAB_FILE, LabPaths
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -640,6 +641,15 @@ class LocalLab:
         if name in self.names():
             return self.reconcile_one(name, deleting=True)
         return None
+
+
+def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
+             budget: int | None = None, min_delta: float | str | None = None,
+             max_pairs: int | None = None) -> LocalLab:
+    """Make a lab in `target` (`controller.lab.init.make_lab`, as `autolab init` does) and open
+    it. For code that uses the lab as a library (benchmarks, tests): end it with `close()`."""
+    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget,
+                             min_delta=min_delta, max_pairs=max_pairs))
 
 
 _STEP_LINE = re.compile(rb"^step (\d{1,9}) \|[^\n]*\| time (\d{1,7}(?:\.\d+)?)/(\d{1,7}(?:\.\d+)?)s",

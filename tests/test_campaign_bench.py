@@ -72,3 +72,19 @@ def test_policies_take_their_knobs_from_the_command_line(cb):
     p = cb.parse_policy("new:cap=6:fre=none", 12, 3)
     assert (p.cap, p.fre) == (6, None)
     assert (cb.parse_policy("new", 12, 3).cap, cb.parse_policy("new", 12, 3).fre) == (12, 3)
+
+
+def test_benchmarks_call_the_library_not_the_cli():
+    """A benchmark times the controller, not argument parsing and printing: no file under
+    bench/perf imports `controller.cli` (a benchmark of the command line runs `autolab` as a
+    process, as a user would)."""
+    import ast
+
+    importers = []
+    for path in sorted(BENCH.parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "controller.cli" or n.startswith("controller.cli.") for n in names):
+                importers.append(f"{path.name}:{node.lineno}")
+    assert importers == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli.main import known_failure
 from controller.lab.ledger import COLUMNS
 from hf_server import FakeJobsServer

@@ -50,12 +50,11 @@ import yaml
 from kubernetes import client as k8s
 
 from controller.backends import RunRequest
-from controller.cli.lab import init_lab
 from controller.core.failures import failing
 from controller.core.reconcile import TERMINAL, RunObservation
 from controller.lab.ledger import Ledger
 from controller.lab.paths import LAB_FILE
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from test_operator import (EXP, IMAGE, JOBS, LAB, NS, SEED_HASH, Cluster, cluster,
                            edit, operator, result)
 

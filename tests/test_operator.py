@@ -244,7 +244,7 @@ def result(val_bpb: float | None, status: str = "succeeded", reason: str = "") -
 
 def seed_lab(root: Path, val_bpb: float) -> None:
     """A lab repo whose master was measured already (`autolab init` + a baseline)."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
 
     lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default",
                    min_delta=0)
@@ -724,7 +724,7 @@ async def test_operator_entrypoints_serve_a_lab(cluster, entrypoint):
 
 def test_repo_follows_a_master_configmap_it_has_never_seen(tmp_path):
     """A fresh volume under an existing master ConfigMap: the repo adopts the ConfigMap's source."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.kube.cluster import MasterRecord
     from controller.core.hashing import semantic_hash
 

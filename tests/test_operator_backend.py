@@ -464,7 +464,7 @@ async def test_missing_image_is_refused_with_what_to_set(env):
 
 async def test_master_promotion_is_compare_and_swap_on_the_configmap(env, tmp_path):
     """Two promotions from the same read: the second one's write is refused and compared again."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
 
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     lab.repo.set_master_metric(1.0)

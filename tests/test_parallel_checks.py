@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.core.spec import ExperimentSpec
 from controller.engine import Observed
 from controller.lab.check_pool import CheckPool

@@ -260,7 +260,7 @@ def test_one_slot_serves_specs_in_the_order_applied_and_new_ideas_between_a_deci
     in name order; each after at most FIRST_RUN_EVERY runs of depth-2 since the one before
     (the first since the apply, plus the run in flight), and all before depth-2's verdict.
     `autolab get` shows their places in the queue."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.cli.main import main
     from labkit import spec_from_edit
 

@@ -19,9 +19,8 @@ import json
 
 import yaml
 
-from controller.cli.lab import init_lab
 from controller.core.reconcile import RunObservation
-from controller.local import LAB_FILE, LocalLab
+from controller.local import LAB_FILE, LocalLab, init_lab
 from labkit import spec_from_edit
 from test_one_engine import SLOTS, Apply, Finish, OperatorDriver, Scenario, Start, ok
 from test_operator import Cluster, cluster

@@ -30,7 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from controller.cli.lab import init_lab  # noqa: E402
+from controller.local import init_lab  # noqa: E402
 from controller.core.spec import ExperimentSpec, validate_document  # noqa: E402
 from controller.engine import Observed  # noqa: E402
 from controller.lab.ledger import Ledger  # noqa: E402

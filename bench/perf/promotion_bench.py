@@ -58,9 +58,8 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from controller.cli.lab import init_lab  # noqa: E402
 from controller.core.reconcile import RunObservation  # noqa: E402
-from controller.local import LAB_FILE, LocalLab  # noqa: E402
+from controller.local import LAB_FILE, LocalLab, init_lab  # noqa: E402
 
 BASE = 1.0            # the seed master's true val_bpb
 GPU = 0.0010          # a run's own noise (the same seed twice differ by GPU * sqrt(2))
