@@ -556,27 +556,21 @@ class LocalLab:
         """A run started up ahead of its turn (LocalBackend.start_next) waits at its first batch
         for a submit only a running loop makes: when the loop ends, it is stopped."""
         for backend in list(self.engine.backends.values()):
-            stop = getattr(backend, "stop_next", None)
-            if stop is not None:
-                stop()
+            backend.stop_next()
 
     def reap_stale(self) -> list[str]:
         """Stop what a controller that is gone started ahead of its turn (LocalBackend.reap_stale);
         one line per run, for a person. `autolab run` calls it first."""
         reaped = []
         for backend in list(self.engine.backends.values()):
-            reap = getattr(backend, "reap_stale", None)
-            if reap is not None:
-                reaped += reap()
+            reaped += backend.reap_stale()
         return reaped
 
     def close(self) -> None:
         """End cleanly, as a library user must (or `with LocalLab(root) as lab:`): the runs started
         ahead stop; submitted runs go on, and the next loop adopts them."""
         for backend in list(self.engine.backends.values()):
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()
+            backend.close()
         self.repo.close()  # its long-lived git processes (a later call starts them again)
 
     def __enter__(self) -> "LocalLab":

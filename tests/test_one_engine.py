@@ -49,7 +49,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
 from controller.core.failures import failing
 from controller.core.reconcile import TERMINAL, RunObservation
 from controller.lab.ledger import Ledger
@@ -573,7 +573,7 @@ class Machine:
         self.submitted: list[RunRequest] = []
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """The local backend's seam, with runs that move only when the test says so."""
 
     name = "local"

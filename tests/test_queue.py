@@ -12,6 +12,7 @@ import json
 
 import yaml
 
+from controller.backends import Backend
 from controller.core.reconcile import RunObservation
 from controller.core.slots import FIRST_RUN_EVERY, SlotBook, Waiter, allocate_slots, queue_order
 from test_operator import cluster  # noqa: F401  (the fixture: the API emulator and a lab dir)
@@ -206,7 +207,7 @@ def test_a_batch_of_new_specs_gets_one_first_run_every_FIRST_RUN_EVERY_runs_of_t
 
 # --- the local loop, end to end ------------------------------------------------------------
 
-class StandIn:
+class StandIn(Backend):
     """The local backend's seam: a run ends at the lab's next look, with a val_bpb known in
     advance. The master measures 1.0 on every seed; `depth-2` is a hard decision (it beats the
     master by 0.010 and 0.001 at alternate places, so its pairs go to the cap); every other

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.backends import Backend
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.failures import RECONCILE_ERROR, RECONCILED
 from controller.core.hashing import check_candidate_source
@@ -41,7 +42,7 @@ FIELDS = ("hypothesis", "campaign", "parent", "diff")
 GOOD_EDIT = ("MATRIX_LR = 0.02", "MATRIX_LR = 0.03")
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     """Stands in for the local backend: runs start (and stay running) on paper."""
 
     name = "local"

@@ -87,7 +87,7 @@ from huggingface_hub import HfApi, Volume
 from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError
 from huggingface_hub.utils import get_token
 
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
 from controller.backends.hf_api import (HfBackendError, LogReader, RateLimited, refusal_message,
                                         retry_after, server_message, status_code,
                                         token_from_secret)
@@ -186,7 +186,7 @@ def _read_json(path: Path) -> dict:
 
 
 
-class HfBackend:
+class HfBackend(Backend):
     """Runs, observes and cancels bench runs as Hugging Face jobs (see the module docstring)."""
 
     name = "hf"

@@ -84,10 +84,10 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
 from controller.backends.results import authentic
 from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPERIMENT, LABEL_LAB,
-                                LABEL_RUN, OURS, ClusterError, Kube)
+                                LABEL_RUN, OURS, ClusterError, Kube, deleted, unless_gone)
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
 from controller.core.status import Reason
@@ -141,7 +141,7 @@ def container_security() -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     """Runs on Kubernetes Jobs in one namespace, for one Lab."""
 
     name = "kubernetes"
@@ -443,20 +443,12 @@ class KubernetesBackend:
         return self.kube.create_secret(namespace, body)
 
     def _read_secret(self, name: str) -> dict | None:
-        try:
-            return json.loads(self.kube.core.read_namespaced_secret(
-                name, self.namespace, _preload_content=False).data)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return unless_gone(lambda: json.loads(self.kube.core.read_namespaced_secret(
+            name, self.namespace, _preload_content=False).data))
 
     def _delete_secret(self, name: str) -> None:
-        try:
-            self.kube.core.delete_namespaced_secret(name, self.namespace, _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        deleted(lambda: self.kube.core.delete_namespaced_secret(
+            name, self.namespace, _preload_content=False))
 
     def _key(self, run: str) -> bytes | None:
         secret = self._read_secret(key_secret_name(run))

@@ -66,7 +66,7 @@ from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
                                     pinned_harness, starting_program)
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
 from controller.backends.results import authentic, result_signature
 from controller.core.reconcile import RunObservation
 from controller.lab.files import atomic_write
@@ -149,8 +149,9 @@ def _read_json(path: Path) -> dict:
 UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
+    starts_ahead = True  # a slot's next run starts up while its run is evaluated
 
     def __init__(self, lab_root: str | Path, bench_dir: str | Path | None = None,
                  cache_dir: str | None = None):
