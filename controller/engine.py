@@ -96,6 +96,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
+from controller.core.errors import MachineError
 from controller.core.evaluation import evaluation_limit
 from controller.core.noise import (ALPHA, detectable_gain, lord_level, mean, place_seed,
                                    spread)
@@ -212,7 +213,7 @@ def _priority(spec: dict | None) -> int:
     return p if isinstance(p, int) else 0
 
 
-class BaselineFailed(RuntimeError):
+class BaselineFailed(MachineError, RuntimeError):
     """The master could not be measured in BASELINE_ATTEMPTS attempts: a person must look."""
 
 

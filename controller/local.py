@@ -50,7 +50,8 @@ from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
 from controller.core.slots import SlotBook, instant
-from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
+from controller.core.spec import (LabSpec, SpecError, SpecUnreadable, next_name, trackable,
+                                   validate_document)
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import precise, utcnow
@@ -104,7 +105,7 @@ def load_yaml_file(path: Path) -> list:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+        raise SpecUnreadable(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise SpecError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
     try:
@@ -299,7 +300,7 @@ class LocalLab:
         try:
             return json.loads(p.read_text())
         except ValueError as e:
-            raise SpecError(f"{p} is not valid JSON ({e}); restore it, or remove it to start "
+            raise SpecUnreadable(f"{p} is not valid JSON ({e}); restore it, or remove it to start "
                             "the experiment over") from None
 
     def write_record(self, name: str, record: dict) -> None:

@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from controller.core.errors import InputError
 from controller.core.failures import RECONCILE_ERROR, failure_message, with_failure
 from controller.core.patch import merge_patch
 from controller.core.reconcile import (BASELINE_ATTEMPTS, TERMINAL, Decision, Event, Master,
@@ -135,7 +136,7 @@ class OperatorConfig:
     workers: int | None = None     # threads for the (blocking) handlers; None: HANDLER_WORKERS
 
 
-class LabMissing(LookupError):
+class LabMissing(InputError, LookupError):
     """An Experiment names a Lab that does not exist in its namespace."""
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.core.errors import MachineError
 from controller.core.reconcile import RunObservation
 
 
-class BackendConfigError(Exception):
+class BackendConfigError(MachineError):
     """The lab's settings for a backend cannot work (no token, data it cannot reach): every
     run on it would fail the same way, so the loop stops and the message says what to set,
     instead of recording it against one experiment after another."""

@@ -26,6 +26,7 @@ import tarfile
 from typing import Any, Iterable, Iterator
 
 from controller.backends.results import wrong_candidate
+from controller.core.errors import InputError
 
 BUNDLE_ENV = "AUTOLAB_BUNDLE"
 BUNDLE_PART = 96 * 1024    # characters of base64 in one environment variable
@@ -73,7 +74,7 @@ def bundle_env(bundle: str) -> dict[str, str]:
     return {BUNDLE_ENV if i == 0 else f"{BUNDLE_ENV}_{i}": part for i, part in enumerate(parts)}
 
 
-class BundleTooLarge(ValueError):
+class BundleTooLarge(InputError, ValueError):
     pass
 
 

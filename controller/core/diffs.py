@@ -21,13 +21,14 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from controller.core.errors import InputError
 from controller.core.hashing import parse_python
 from controller.core.spec import unsafe_character
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
-class DiffRefused(ValueError):
+class DiffRefused(InputError, ValueError):
     """The diff cannot be used; `reason` is a CamelCase code, the message says what to fix."""
 
     def __init__(self, reason: str, message: str):

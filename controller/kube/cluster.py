@@ -31,6 +31,7 @@ from typing import Any, Callable, TypeVar
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from controller.core.errors import MachineError
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import GROUP, VERSION
@@ -53,7 +54,7 @@ PROMOTIONS_KEPT = 20
 CAS_ATTEMPTS = 20
 
 
-class ClusterError(RuntimeError):
+class ClusterError(MachineError, RuntimeError):
     """Something in the cluster is not as the operator needs it; the message says what to do."""
 
 

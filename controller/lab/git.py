@@ -22,13 +22,15 @@ import time
 import weakref
 from pathlib import Path
 
+from controller.core.errors import MachineError
+
 GIT_NAME, GIT_EMAIL = "autolab", "autolab@localhost"  # who commits in a lab
 GIT_ID = ["-c", f"user.name={GIT_NAME}", "-c", f"user.email={GIT_EMAIL}",
           "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null"]
 TREE_KINDS = {b"40000": b"tree", b"160000": b"commit"}  # a tree entry's mode -> its object's kind
 
 
-class GitError(RuntimeError):
+class GitError(MachineError, RuntimeError):
     """A git command failed; the message is the command and what git said."""
 
 

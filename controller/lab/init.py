@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.core.errors import InputError
 from controller.core.spec import API_VERSION, LabSpec
 from controller.lab.paths import LAB_FILE
 from controller.lab.repo import LabRepo
@@ -38,7 +39,7 @@ def default_max_pairs(profile: str, min_delta: float | str | None) -> int | None
     return SMOKE_MAX_PAIRS.get(profile) if min_delta in (None, "auto") else None
 
 
-class LabInitError(RuntimeError):
+class LabInitError(InputError, RuntimeError):
     """The lab cannot be made here (it exists already, or the bench sources are missing)."""
 
 

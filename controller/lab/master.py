@@ -20,7 +20,7 @@ from filelock import FileLock
 from controller.core.diffs import DiffRefused
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
-from controller.core.spec import LabSpec, SpecError
+from controller.core.spec import LabSpec, SpecUnreadable
 from controller.lab.files import atomic_write
 
 MASTER_BRANCH = "autolab/master"
@@ -50,7 +50,7 @@ class MasterStore:
         try:
             return json.loads(self.master_file.read_text())
         except ValueError as e:  # a hand edit or a copy cut short: say which file, and what to do
-            raise SpecError(f"{self.master_file} is not valid JSON ({e}); fix it by hand, or "
+            raise SpecUnreadable(f"{self.master_file} is not valid JSON ({e}); fix it by hand, or "
                             "restore it from a backup (the master's commit is the branch "
                             f"{MASTER_BRANCH})") from None
 
