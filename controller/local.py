@@ -300,8 +300,8 @@ class LocalLab:
         try:
             return json.loads(p.read_text())
         except ValueError as e:
-            raise SpecUnreadable(f"{p} is not valid JSON ({e}); restore it, or remove it to start "
-                            "the experiment over") from None
+            raise SpecUnreadable(f"{p} is not valid JSON ({e}); restore it, or remove it to "
+                                 "start the experiment over") from None
 
     def write_record(self, name: str, record: dict) -> None:
         atomic_write(self.paths.status_file(name),

@@ -53,7 +53,8 @@ def controller_exceptions() -> dict[str, type]:
 
 def test_every_failure_of_the_controller_says_whose_it_is_to_fix():
     found = controller_exceptions()
-    roots = {f"controller.core.errors.{c.__name__}" for c in (AutolabError, InputError, MachineError)}
+    roots = {f"controller.core.errors.{c.__name__}"
+             for c in (AutolabError, InputError, MachineError)}
     assert set(found) - NOT_SHOWN - roots == set(KINDS)
 
 

@@ -50,9 +50,9 @@ class MasterStore:
         try:
             return json.loads(self.master_file.read_text())
         except ValueError as e:  # a hand edit or a copy cut short: say which file, and what to do
-            raise SpecUnreadable(f"{self.master_file} is not valid JSON ({e}); fix it by hand, or "
-                            "restore it from a backup (the master's commit is the branch "
-                            f"{MASTER_BRANCH})") from None
+            raise SpecUnreadable(f"{self.master_file} is not valid JSON ({e}); fix it by hand, "
+                                 "or restore it from a backup (the master's commit is the branch "
+                                 f"{MASTER_BRANCH})") from None
 
     def master(self) -> Master:
         d = self.master_doc()
