@@ -49,8 +49,8 @@ class CandidateChecks:
     git: Callable[..., subprocess.CompletedProcess]  # LabRepo.git
     git_bytes: Callable[..., subprocess.CompletedProcess]  # LabRepo.git_bytes
     plumbing: Callable[[], Plumbing]  # LabRepo.plumbing
-    master: Callable[[], Master]  # MasterStore.master
-    resolve_parent: Callable[[str], dict]  # MasterStore.resolve_parent
+    master: Callable[[], Master]  # RepoMaster.master
+    resolve_parent: Callable[[str], dict]  # RepoMaster.resolve_parent
 
     def materialise(self, name: str, spec: ExperimentSpec) -> Candidate:
         """Every check before a run: the diff, its parent, apply or rebase, compile, hashes."""

@@ -38,8 +38,10 @@ def read_places(raw: object) -> dict[int, float]:
     return out
 
 
-class MasterStore:
-    """The master of a lab repo (a part of `LabRepo`, which supplies what is declared here)."""
+class RepoMaster:
+    """The master of a lab repo (a part of `LabRepo`, which supplies what is declared here).
+    In a cluster the ConfigMap is the master of record (`controller.kube.cluster.MasterStore`)
+    and this one follows it."""
 
     lab: LabSpec
     master_file: Path

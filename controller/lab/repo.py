@@ -4,7 +4,7 @@
 
 - `controller.lab.git`: how git is run (`GitError`, the lab's identity, the long-lived
   plumbing processes a check talks to);
-- `controller.lab.master` (`MasterStore`): the master record, `research/live/master.json`
+- `controller.lab.master` (`RepoMaster`): the master record, `research/live/master.json`
   beside branch `autolab/master`, and promotion as a compare-and-swap under a file lock;
 - `controller.lab.checks` (`CandidateChecks`): a spec's diff applied, rebased, compiled and
   hashed into branch `autolab/exp/<name>`, or refused with the reason;
@@ -24,11 +24,11 @@ from filelock import FileLock
 from controller.core.spec import LabSpec
 from controller.lab.checks import CandidateChecks
 from controller.lab.git import Plumbing, run_git, run_git_bytes
-from controller.lab.master import MasterStore
+from controller.lab.master import RepoMaster
 from controller.lab.paths import LabPaths
 
 
-class LabRepo(MasterStore, CandidateChecks):
+class LabRepo(RepoMaster, CandidateChecks):
     """A lab's repository at `root`, checked and promoted by the rules of `lab`."""
 
     def __init__(self, root: str | Path, lab: LabSpec):
