@@ -96,6 +96,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from controller.backends import Backend, RunRequest
+from controller.core.errors import MachineError
 from controller.core.evaluation import evaluation_limit
 from controller.core.noise import (ALPHA, detectable_gain, lord_level, mean, place_seed,
                                    spread)
@@ -113,8 +114,10 @@ from controller.lab.ledger import Ledger
 from controller.lab.memory import near_duplicates, remember_quietly
 from controller.lab.paths import LabPaths
 from controller.lab.profiles import ProfileError, lab_profile
-from controller.lab.repo import (CheckPool, LabRepo, atomic_write, recorded_duplicate,
-                                 shared_check_pool)
+from controller.lab.check_pool import CheckPool, shared_check_pool
+from controller.lab.checks import recorded_duplicate
+from controller.lab.files import atomic_write
+from controller.lab.repo import LabRepo
 from controller.lab.tracking import track_quietly
 
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
@@ -210,7 +213,7 @@ def _priority(spec: dict | None) -> int:
     return p if isinstance(p, int) else 0
 
 
-class BaselineFailed(RuntimeError):
+class BaselineFailed(MachineError, RuntimeError):
     """The master could not be measured in BASELINE_ATTEMPTS attempts: a person must look."""
 
 
@@ -613,14 +616,12 @@ class Engine:
         """The run `evaluated` ran out of time beside the run started up next to it: stop that
         one, so the harness measures its model again alone (an evaluation that is slow on a GPU
         of its own is the candidate's failure; one slowed by a neighbour is nobody's)."""
-        give_back = getattr(self.backend(backend_name), "give_back", None)
-        if give_back is not None:
-            give_back(evaluated)
+        self.backend(backend_name).give_back(evaluated)
 
     def _start_next(self, backend_name: str, slot: str, evaluated: str) -> None:
         """The run `evaluated` no longer needs its GPU alone: start the slot's next run up beside it.
 
-        Only for a backend that can (`start_next`: the local one). Who is next, and what would
+        Only for a backend that can (`starts_ahead`: the local one). Who is next, and what would
         be submitted, are the slot book's and the core's answers as things stand: the core is
         asked what it would do with this slot (nothing is written, nothing else is carried
         out), and a run is started only where it would submit at once. The real submit comes
@@ -629,9 +630,8 @@ class Engine:
         backend stops what it started, having spent no training time on it.
         """
         backend = self.backend(backend_name)
-        start_next = getattr(backend, "start_next", None)
         nxt = self.book.next_in_line()
-        if start_next is None or nxt is None or self._started_next.get(slot) == (evaluated, nxt):
+        if not backend.starts_ahead or nxt is None or self._started_next.get(slot) == (evaluated, nxt):
             return
         self._started_next[slot] = (evaluated, nxt)
         obs = self.statuses.read(nxt)
@@ -648,7 +648,7 @@ class Engine:
         if submit is None or "materialise" in decision.kinds() \
                 or self.backend(submit.args["backend"]) is not backend:
             return
-        start_next(self._request(obs, spec, submit.args, decision.status))
+        backend.start_next(self._request(obs, spec, submit.args, decision.status))
 
     def _world_lab(self) -> LabSpec:
         if self.lab.backend != self.default_backend:
@@ -757,7 +757,7 @@ class Engine:
         obs = backend.observe(name)
         slot = None
         if obs.state in ("queued", "running"):
-            slot = self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
+            slot = self.book.hold(name, backend.slot_of(name))
         elif obs.state == "missing":
             slot = self.book.hold(name)
         intents = reconcile_baseline(m, obs, slot, self.ledger.has_run(name))
@@ -972,7 +972,7 @@ class Engine:
                 state = BaselineState(name, "running")
                 continue
             if obs.state in ("queued", "running"):
-                self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
+                self.book.hold(name, backend.slot_of(name))
                 state = BaselineState(name, "running")
                 continue
             row, val = master_run_row(m, obs)

@@ -50,12 +50,14 @@ from controller.core.failures import RECONCILE_ERROR, failure_message
 from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
                                        Event, Master, PromotionResult)
 from controller.core.slots import SlotBook, instant
-from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
+from controller.core.spec import (LabSpec, SpecError, SpecUnreadable, next_name, trackable,
+                                   validate_document)
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
 from controller.engine import BaselineFailed, Engine, Observed
 from controller.lab.clock import precise, utcnow
+from controller.lab.files import atomic_write
+from controller.lab.init import make_lab
 from controller.lab.paths import LAB_FILE, LabPaths
-from controller.lab.repo import atomic_write
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 LOCAL_BACKENDS = ("local", "hf")  # what the local loop can run
@@ -103,7 +105,7 @@ def load_yaml_file(path: Path) -> list:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+        raise SpecUnreadable(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise SpecError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
     try:
@@ -298,8 +300,8 @@ class LocalLab:
         try:
             return json.loads(p.read_text())
         except ValueError as e:
-            raise SpecError(f"{p} is not valid JSON ({e}); restore it, or remove it to start "
-                            "the experiment over") from None
+            raise SpecUnreadable(f"{p} is not valid JSON ({e}); restore it, or remove it to "
+                                 "start the experiment over") from None
 
     def write_record(self, name: str, record: dict) -> None:
         atomic_write(self.paths.status_file(name),
@@ -555,27 +557,21 @@ class LocalLab:
         """A run started up ahead of its turn (LocalBackend.start_next) waits at its first batch
         for a submit only a running loop makes: when the loop ends, it is stopped."""
         for backend in list(self.engine.backends.values()):
-            stop = getattr(backend, "stop_next", None)
-            if stop is not None:
-                stop()
+            backend.stop_next()
 
     def reap_stale(self) -> list[str]:
         """Stop what a controller that is gone started ahead of its turn (LocalBackend.reap_stale);
         one line per run, for a person. `autolab run` calls it first."""
         reaped = []
         for backend in list(self.engine.backends.values()):
-            reap = getattr(backend, "reap_stale", None)
-            if reap is not None:
-                reaped += reap()
+            reaped += backend.reap_stale()
         return reaped
 
     def close(self) -> None:
         """End cleanly, as a library user must (or `with LocalLab(root) as lab:`): the runs started
         ahead stop; submitted runs go on, and the next loop adopts them."""
         for backend in list(self.engine.backends.values()):
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()
+            backend.close()
         self.repo.close()  # its long-lived git processes (a later call starts them again)
 
     def __enter__(self) -> "LocalLab":
@@ -640,6 +636,15 @@ class LocalLab:
         if name in self.names():
             return self.reconcile_one(name, deleting=True)
         return None
+
+
+def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
+             budget: int | None = None, min_delta: float | str | None = None,
+             max_pairs: int | None = None) -> LocalLab:
+    """Make a lab in `target` (`controller.lab.init.make_lab`, as `autolab init` does) and open
+    it. For code that uses the lab as a library (benchmarks, tests): end it with `close()`."""
+    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget,
+                             min_delta=min_delta, max_pairs=max_pairs))
 
 
 _STEP_LINE = re.compile(rb"^step (\d{1,9}) \|[^\n]*\| time (\d{1,7}(?:\.\d+)?)/(\d{1,7}(?:\.\d+)?)s",

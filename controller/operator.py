@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from controller.core.errors import InputError
 from controller.core.failures import RECONCILE_ERROR, failure_message, with_failure
 from controller.core.patch import merge_patch
 from controller.core.reconcile import (BASELINE_ATTEMPTS, TERMINAL, Decision, Event, Master,
@@ -135,7 +136,7 @@ class OperatorConfig:
     workers: int | None = None     # threads for the (blocking) handlers; None: HANDLER_WORKERS
 
 
-class LabMissing(LookupError):
+class LabMissing(InputError, LookupError):
     """An Experiment names a Lab that does not exist in its namespace."""
 
 
@@ -756,7 +757,7 @@ class Operator:
         # Passes wait on the API server and the check pool far more than they compute: kopf's
         # default (cores + 4 threads) let ~15 of them a second through on 2 cores.
         settings.execution.max_workers = self.config.workers or HANDLER_WORKERS
-        from controller.lab.repo import shared_check_pool
+        from controller.lab.check_pool import shared_check_pool
 
         # The pre-run checks' processes, started and ready before the first events: a batch of
         # specs waiting at start-up (resume) would otherwise wait for their imports, which

@@ -12,11 +12,11 @@ a run or a check worker whose controller was killed is no longer anyone's child.
 after a grace period (a stopped run takes a few seconds to end) are killed and
 the test fails, naming them.
 
-Not the test's: the process-wide pool of checking processes (controller/lab/repo.py's
+Not the test's: the process-wide pool of checking processes (controller/lab/check_pool.py's
 shared_check_pool, started by the first check and serving every later test, with
 the git processes its workers keep), multiprocessing's resource tracker, and a
 lab repo's long-lived git plumbing (`git cat-file --batch` and its kin, see
-`_Plumbing`): it belongs to a LabRepo object, ends with it (`close()`, or garbage
+`controller.lab.git.Plumbing`): it belongs to a LabRepo object, ends with it (`close()`, or garbage
 collection once pytest lets go of the test's fixtures) and runs nothing of the
 test's.
 """

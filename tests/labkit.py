@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 
+from controller.backends import Backend
+
 
 def spec_from_edit(lab, name: str, old: str, new: str, hypothesis: str | None = None,
                    priority: int = 0) -> dict:
@@ -30,7 +32,7 @@ def run_until_done(lab, steps: int = 60) -> dict:
     return {n: st for n, st, _ in summary.rows}
 
 
-class InstantBackend:
+class InstantBackend(Backend):
     """A backend whose runs finish at once with `value(request)` as their val_bpb (None: the
     run ends as a harness error)."""
 

@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from controller.cli.lab import default_max_pairs, init_lab
-from controller.local import LocalLab
+from controller.lab.init import default_max_pairs
+from controller.local import LocalLab, init_lab
 from labkit import spec_from_edit
 
 HANDICAPS = (("    UNEMBEDDING_LR = 0.02", "    UNEMBEDDING_LR = 0.0002"),

@@ -42,8 +42,7 @@ import yaml
 
 from controller.cli import main as cli
 from controller.cli.agents import split_front_matter
-from controller.cli.lab import init_lab
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 
 from scripted_model import Call, Reply, Rule, ScriptedModel, Turn
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli import agents, main as cli
 from controller.cli.agents import (RUNTIMES, kickoff_text, load_contracts, render,
                                   split_front_matter)

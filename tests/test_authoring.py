@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.lab import tracking
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from controller.lab.report import progress
 
 SURFACE = "bench/train.py"

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from controller.core import figures
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 TRAIN = BENCH / "train.py"
 BUDGET = 2.5  # training seconds per harness run in these tests
-SUMMARY_KEYS = ["val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
-                "total_tokens_M", "num_steps", "num_params_M", "depth"]
+SUMMARY_KEYS = list(figures.SUMMARY_KEYS)  # the controller's; bench/run.py must print the same
 
 
 @pytest.fixture(scope="session")

@@ -88,3 +88,19 @@ def test_a_new_spec_waits_a_bounded_number_of_runs_even_when_promotions_void_dec
     assert cb.parse_policy("new:restart=first", None, None).restart == "first"
     with pytest.raises(SystemExit, match="restart"):
         cb.parse_policy("new:restart=later", None, None)
+
+
+def test_benchmarks_call_the_library_not_the_cli():
+    """A benchmark times the controller, not argument parsing and printing: no file under
+    bench/perf imports `controller.cli` (a benchmark of the command line runs `autolab` as a
+    process, as a user would)."""
+    import ast
+
+    importers = []
+    for path in sorted(BENCH.parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "controller.cli" or n.startswith("controller.cli.") for n in names):
+                importers.append(f"{path.name}:{node.lineno}")
+    assert importers == []

@@ -1,5 +1,6 @@
 """`autolab` never shows a traceback for a known failure: one line on stderr, `error: what went
-wrong; what to do`, exit 1. Each test runs the real executable against a really broken lab
+wrong; what to do (whose to fix)`, exit 1: "(yours to fix)" for a spec, a file or an argument
+the user wrote, "(the machine's to fix)" for the environment. Each test runs the real executable against a really broken lab
 (a damaged git repo, a hand-edited ledger, Hugging Face out of reach, a reader that hangs up,
 a full disk). A bug (an unknown exception) keeps its traceback; Ctrl-C exits 130 quietly."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli.main import known_failure
 from controller.lab.ledger import COLUMNS
 from hf_server import FakeJobsServer
@@ -54,14 +55,19 @@ def autolab(*args: str, env: dict, stdout=subprocess.PIPE, **kw) -> subprocess.C
     return p
 
 
-def one_error_line(p: subprocess.CompletedProcess) -> str:
-    """The process failed as a known failure should: exit 1, one `error:` line, no traceback."""
+YOURS, MACHINES = "(yours to fix)", "(the machine's to fix)"
+
+
+def one_error_line(p: subprocess.CompletedProcess, kind: str = MACHINES) -> str:
+    """The process failed as a known failure should: exit 1, one `error:` line that ends with
+    whose it is to fix (`kind`), no traceback."""
     assert "Traceback" not in p.stderr + p.stdout, p.stderr
     assert p.returncode == 1, (p.returncode, p.stderr)
     lines = p.stderr.splitlines()
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("error: "), p.stderr
     assert "; " in lines[0], f"no advice after the failure: {lines[0]}"
+    assert lines[0].endswith(f" {kind}"), lines[0]
     return lines[0]
 
 
@@ -208,11 +214,12 @@ def test_a_rejected_token_is_one_line_without_the_token(lab, env, tmp_path):
 
 def test_spec_and_cli_errors_read_as_before(lab, env, tmp_path):
     p = autolab("get", "--lab", str(tmp_path / "nowhere"), env=env)
-    assert one_error_line(p) == (f"error: {tmp_path / 'nowhere'}: not a lab (no lab.yaml here "
-                                 "or in any parent directory); create one with `autolab init "
-                                 "DIR`, or cd into a lab (or pass --lab DIR)")
+    assert one_error_line(p, YOURS) == (
+        f"error: {tmp_path / 'nowhere'}: not a lab (no lab.yaml here or in any parent "
+        "directory); create one with `autolab init DIR`, or cd into a lab (or pass --lab DIR) "
+        f"{YOURS}")
     p = autolab("describe", "nosuch", "--lab", str(lab), env=env)
-    assert p.returncode == 1 and p.stderr == "error: experiment 'nosuch' not found\n"
+    assert p.returncode == 1 and p.stderr == f"error: experiment 'nosuch' not found {YOURS}\n"
     # A YAML error's own text has line breaks: they become spaces.
     p = autolab("apply", "-f", "-", "--lab", str(lab), env=env, input="a: [1, 2\nb: }\n")
     assert p.returncode == 1 and "Traceback" not in p.stderr

@@ -256,7 +256,7 @@ def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):
     it: a data cache of its own, and the master's val_bpb already known (measured elsewhere), so
     no run of the starting program happens here. harness_from: a commit of this repository whose
     bench/ harness files the lab pins instead of today's."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.lab import init
 
     src = tmp_path / "bench-src"

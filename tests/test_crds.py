@@ -95,7 +95,7 @@ def test_example_experiments_apply_to_the_current_master(tmp_path):
     """
     import os
 
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.core.spec import ExperimentSpec
 
     assert EXAMPLES, "manifests/examples/ has no Experiment"

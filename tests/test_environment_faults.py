@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from labkit import spec_from_edit
 from test_run_phases import BENCH, BUDGET, TRAIN, bench, env_for, refused_here, uid_lab  # noqa: F401
 

@@ -17,9 +17,8 @@ import time
 import pytest
 
 from controller.backends.local import LocalBackend
-from controller.cli.lab import init_lab
 from controller.core.evaluation import EVAL_LIMIT_FACTOR, EVAL_LIMIT_FLOOR, evaluation_limit
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from labkit import InstantBackend, spec_from_edit
 from test_start_ahead import SLOW_NEW, SLOW_OLD, request
 

@@ -254,7 +254,7 @@ def bench_evaluate():
 def test_a_hostile_candidates_claims_reach_no_record_unmarked(tmp_path, monkeypatch, capsys):
     """The acceptance line: a candidate that trains honestly but reports MFU 99.9 and 1 MB of
     peak GPU memory, run by the lab end to end (the real harness, the local backend)."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.cli.main import main
     from controller.core import figures
     from controller.lab import tracking
@@ -379,7 +379,7 @@ def test_get_wide_marks_the_candidates_figures_and_older_statuses_by_the_older_h
 
 
 def test_an_older_ledger_still_reads_unchanged_and_the_report_marks_its_figures(tmp_path):
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.core import figures
     from controller.lab.ledger import COLUMNS
     from controller.lab.report import build_report

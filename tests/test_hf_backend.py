@@ -19,10 +19,9 @@ import pytest
 import yaml
 
 from controller.backends.hf import HfBackend, HfBackendError
-from controller.cli.lab import init_lab
 from controller.core.reconcile import LOST_RETRIES
 from controller.core.spec import API_VERSION
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from hf_server import FakeJobsServer, Script, genuine_result, harness_result, shipped_files, \
     signed_curve, signed_line
 

@@ -9,7 +9,7 @@ import yaml
 
 from controller.cli import hf, main as cli
 from controller.backends import hf as backend
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from hf_server import FakeJobsServer, Script
 
 TOKEN = "hf_CLItokenNotForPrinting5550123"

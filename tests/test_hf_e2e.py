@@ -25,9 +25,8 @@ import pytest
 import yaml
 
 from controller.cli import main as cli
-from controller.cli.lab import init_lab
 from controller.core.spec import API_VERSION
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from hf_server import FakeJobsServer
 from test_environment_faults import open_dir  # noqa: F401  (a fixture)
 

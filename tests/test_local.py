@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli.main import main
 from controller.cli.demo import run_demo
 from controller.lab.ledger import Ledger

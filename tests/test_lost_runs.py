@@ -19,8 +19,7 @@ import signal
 import time
 from pathlib import Path
 
-from controller.cli.lab import init_lab
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from labkit import spec_from_edit
 
 MASTER_VAL = 9.9  # the baseline is not what these tests are about

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.lab import memory
 from controller.lab.paths import LabPaths
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 
 DIFF = ("--- a/bench/train.py\n+++ b/bench/train.py\n@@ -1,3 +1,3 @@\n A = 1\n"
         "-LR = 0.02  # peak learning rate\n+LR = 0.04  # peak learning rate\n C = 3\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli.main import main
 from labkit import InstantBackend, run_until_done, spec_from_edit
 

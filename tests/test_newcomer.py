@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 
 REPO = Path(__file__).resolve().parents[1]
 AUTOLAB = Path(sys.executable).with_name("autolab")

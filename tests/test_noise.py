@@ -15,10 +15,9 @@ import random
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
 from controller.cli.main import main
 from controller.core.noise import PLACE_SEEDS, lord_level, place_seed
-from controller.local import LAB_FILE, LocalLab
+from controller.local import LAB_FILE, LocalLab, init_lab
 from labkit import InstantBackend, run_until_done, spec_from_edit
 
 

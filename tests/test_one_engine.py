@@ -49,13 +49,12 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends import RunRequest
-from controller.cli.lab import init_lab
+from controller.backends import Backend, RunRequest
 from controller.core.failures import failing
 from controller.core.reconcile import TERMINAL, RunObservation
 from controller.lab.ledger import Ledger
 from controller.lab.paths import LAB_FILE
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from test_operator import (EXP, IMAGE, JOBS, LAB, NS, SEED_HASH, Cluster, cluster,
                            edit, operator, result)
 
@@ -574,7 +573,7 @@ class Machine:
         self.submitted: list[RunRequest] = []
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """The local backend's seam, with runs that move only when the test says so."""
 
     name = "local"

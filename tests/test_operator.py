@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends.local import result_signature
+from controller.backends.results import result_signature
 from controller.kube.cluster import sync_repo_master
 from controller.core.hashing import candidate_hash
 from controller.core.reconcile import baseline_run_name
@@ -244,7 +244,7 @@ def result(val_bpb: float | None, status: str = "succeeded", reason: str = "") -
 
 def seed_lab(root: Path, val_bpb: float) -> None:
     """A lab repo whose master was measured already (`autolab init` + a baseline)."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
 
     lab = init_lab(root / "default", profile="tiny", data="synthetic", name="default",
                    min_delta=0)
@@ -724,7 +724,7 @@ async def test_operator_entrypoints_serve_a_lab(cluster, entrypoint):
 
 def test_repo_follows_a_master_configmap_it_has_never_seen(tmp_path):
     """A fresh volume under an existing master ConfigMap: the repo adopts the ConfigMap's source."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.kube.cluster import MasterRecord
     from controller.core.hashing import semantic_hash
 

@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 
 from controller.backends import RunRequest
 from controller.backends.kubernetes import KubernetesBackend
-from controller.backends.local import result_signature
+from controller.backends.results import result_signature
 from controller.kube.cluster import Kube, MasterStore, owner_reference
 from controller.core.spec import LabSpec
 from controller.kube.emulator import Emulator
@@ -464,7 +464,7 @@ async def test_missing_image_is_refused_with_what_to_set(env):
 
 async def test_master_promotion_is_compare_and_swap_on_the_configmap(env, tmp_path):
     """Two promotions from the same read: the second one's write is refused and compared again."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
 
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic")
     lab.repo.set_master_metric(1.0)

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.core.spec import ExperimentSpec
 from controller.engine import Observed
-from controller.lab.repo import CheckPool, LabRepo, _stripspace
+from controller.lab.check_pool import CheckPool
+from controller.lab.git import stripspace
+from controller.lab.repo import LabRepo
 from labkit import InstantBackend, spec_from_edit
 
 
@@ -122,10 +124,10 @@ def test_a_check_made_before_the_master_moved_is_made_again(lab):
 def test_commit_messages_are_cleaned_as_git_commit_cleans_them(message, tmp_path):
     expected = subprocess.run(["git", "stripspace"], input=message.encode(),
                               capture_output=True, cwd=tmp_path).stdout.decode()
-    assert _stripspace(message + "\n\nAutolab-Experiment: x") == subprocess.run(
+    assert stripspace(message + "\n\nAutolab-Experiment: x") == subprocess.run(
         ["git", "stripspace"], input=(message + "\n\nAutolab-Experiment: x").encode(),
         capture_output=True, cwd=tmp_path).stdout.decode()
-    assert _stripspace(message) == expected
+    assert stripspace(message) == expected
 
 
 def test_a_check_in_a_worker_process_is_the_check_made_here(lab):

@@ -95,7 +95,7 @@ def test_clock():
 def odd_lab(tmp_path, monkeypatch):
     """A tiny lab whose pinned bench/prepare.py gives the tiny profile other numbers (7 s budget,
     61 s start-up allowance, 121 s evaluation), and whose editable copy says yet another thing."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.lab import init
 
     bench = tmp_path / "bench-src"

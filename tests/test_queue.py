@@ -12,6 +12,7 @@ import json
 
 import yaml
 
+from controller.backends import Backend
 from controller.core.reconcile import RunObservation
 from controller.core.slots import FIRST_RUN_EVERY, SlotBook, Waiter, allocate_slots, queue_order
 from test_operator import cluster  # noqa: F401  (the fixture: the API emulator and a lab dir)
@@ -224,7 +225,7 @@ def test_a_batch_of_new_specs_gets_one_first_run_every_FIRST_RUN_EVERY_runs_of_t
 
 # --- the local loop, end to end ------------------------------------------------------------
 
-class StandIn:
+class StandIn(Backend):
     """The local backend's seam: a run ends at the lab's next look, with a val_bpb known in
     advance. The master measures 1.0 on every seed; `depth-2` is a hard decision (it beats the
     master by 0.010 and 0.001 at alternate places, so its pairs go to the cap); every other
@@ -278,7 +279,7 @@ def test_one_slot_serves_specs_in_the_order_applied_and_new_ideas_between_a_deci
     in name order; each after at most FIRST_RUN_EVERY runs of depth-2 since the one before
     (the first since the apply, plus the run in flight), and all before depth-2's verdict.
     `autolab get` shows their places in the queue."""
-    from controller.cli.lab import init_lab
+    from controller.local import init_lab
     from controller.cli.main import main
     from labkit import spec_from_edit
 

@@ -19,9 +19,9 @@ import json
 
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.backends import Backend
 from controller.core.reconcile import RunObservation
-from controller.local import LAB_FILE, LocalLab
+from controller.local import LAB_FILE, LocalLab, init_lab
 from labkit import spec_from_edit
 from test_one_engine import SLOTS, Apply, Finish, OperatorDriver, Scenario, Start, ok
 from test_operator import Cluster, cluster
@@ -32,7 +32,7 @@ A = ("MATRIX_LR = 0.02", "MATRIX_LR = 0.03")
 B = ("WARMDOWN_RATIO = 0.5", "WARMDOWN_RATIO = 0.4")
 
 
-class HeldRuns:
+class HeldRuns(Backend):
     """A backend whose runs run until the test ends them (`end`); shared by two controllers."""
 
     name = "local"

@@ -7,11 +7,10 @@ import datetime as dt
 import matplotlib.image
 import pytest
 
-from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from controller.lab.report import build_report, draw_progress, plot_progress, progress
 
 

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.kubernetes import authentic
-from controller.backends.local import result_signature
+from controller.backends.results import authentic, result_signature
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from controller.backends.local import visible_slots
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.cli.main import main
 from labkit import spec_from_edit
 

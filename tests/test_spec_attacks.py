@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from labkit import InstantBackend, run_until_done, spec_from_edit
 

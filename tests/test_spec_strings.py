@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli.lab import init_lab
+from controller.backends import Backend
 from controller.core.diffs import DiffRefused, parse_surface_diff
 from controller.core.failures import RECONCILE_ERROR, RECONCILED
 from controller.core.hashing import check_candidate_source
 from controller.core.reconcile import RunObservation
 from controller.core.spec import ExperimentSpec, SpecError, trackable, validate_document
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 from labkit import spec_from_edit
 
 BAD = {  # kind: (the character, how the refusal names it)
@@ -42,7 +42,7 @@ FIELDS = ("hypothesis", "campaign", "parent", "diff")
 GOOD_EDIT = ("MATRIX_LR = 0.02", "MATRIX_LR = 0.03")
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     """Stands in for the local backend: runs start (and stay running) on paper."""
 
     name = "local"

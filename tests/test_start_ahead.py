@@ -27,7 +27,7 @@ import pytest
 
 from controller.backends import RunRequest
 from controller.backends.local import LocalBackend
-from controller.cli.lab import init_lab
+from controller.local import init_lab
 from labkit import spec_from_edit
 from test_run_phases import BENCH, TRAIN, bench, env_for  # noqa: F401  (the module fixture)
 

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from controller.cli.lab import init_lab
 from controller.cli import main as cli
 from controller.lab import tracking
 from controller.lab.paths import LabPaths
 from controller.core.reconcile import ledger_row
 from controller.core.spec import ExperimentSpec
-from controller.local import LocalLab
+from controller.local import LocalLab, init_lab
 
 READ = """
 import json, sys, trackio

@@ -30,11 +30,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from controller.cli.lab import init_lab  # noqa: E402
+from controller.local import init_lab  # noqa: E402
 from controller.core.spec import ExperimentSpec, validate_document  # noqa: E402
 from controller.engine import Observed  # noqa: E402
 from controller.lab.ledger import Ledger  # noqa: E402
-from controller.lab.repo import CHECK_WORKERS, CheckPool, _check_in_worker  # noqa: E402
+from controller.lab.check_pool import CHECK_WORKERS, CheckPool, _check_in_worker  # noqa: E402
 
 TIMES = "AUTOLAB_BENCH_CHECK_TIMES"  # where each worker appends "name seconds" per check
 

@@ -39,10 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from controller.cli import main as cli  # noqa: E402
-from controller.cli.lab import init_lab  # noqa: E402
 from controller.lab import tracking  # noqa: E402
-from controller.local import LocalLab  # noqa: E402
+from controller.lab.report import write_report  # noqa: E402
+from controller.local import LocalLab, init_lab  # noqa: E402
 from labkit import spec_from_edit  # noqa: E402
 
 AUTOLAB = "import sys; from controller.cli.main import main; sys.exit(main(sys.argv[1:]))"
@@ -66,20 +65,22 @@ def free_port() -> int:
 
 
 def build_lab(root: Path, budget: int) -> LocalLab:
-    """A tiny lab with a measured baseline and a few finished experiments, all through the CLI.
+    """A tiny lab with a measured baseline and a few finished experiments, through the library
+    (`apply_file` and the loop's `step`, as `autolab apply` and `autolab run` call them).
 
     One experiment at a time, each an edit of the master of the moment, so none needs a rebase."""
-    init_lab(root, profile="tiny", data="synthetic", budget=budget)
-    r = str(root)
-    for name, campaign, old, new in EDITS:
-        spec = spec_from_edit(LocalLab(root), name, old, new, hypothesis=f"{new.split(' = ')[0]} "
-                              f"at {new.split(' = ')[1]} lowers val_bpb.")
-        spec["spec"]["campaign"] = campaign
-        path = root / "experiments" / "drafts" / f"{name}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(spec, sort_keys=False))
-        assert cli.main(["apply", "-f", str(path), "--lab", r]) == 0
-        assert cli.main(["run", "--lab", r, "--interval", "0.5"]) == 0
+    with init_lab(root, profile="tiny", data="synthetic", budget=budget) as lab:
+        for name, campaign, old, new in EDITS:
+            spec = spec_from_edit(lab, name, old, new, hypothesis=f"{new.split(' = ')[0]} "
+                                  f"at {new.split(' = ')[1]} lowers val_bpb.")
+            spec["spec"]["campaign"] = campaign
+            path = root / "experiments" / "drafts" / f"{name}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(spec, sort_keys=False))
+            lab.apply_file(spec, str(path))
+            while not lab.step().done:
+                time.sleep(0.5)
+            lab.stop_runs_started_ahead()
     return LocalLab(root)
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     tracking.sync(lab.root, lab.name)
     tracked = [r for r in lab.ledger.rows() if tracking.tracked(r)]
     expected = sorted(tracking.run_labels(tracked))
-    assert cli.main(["report", "--lab", str(lab.root)]) == 0
+    write_report(lab)
     progress_png = Path(a.progress_out).resolve()
     for out in (a.out, a.runs_out, a.progress_out):
         Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)

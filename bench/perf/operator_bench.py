@@ -44,7 +44,7 @@ import kopf  # noqa: E402
 import yaml  # noqa: E402
 from kubernetes import client as k8s, watch  # noqa: E402
 
-from controller.cli.lab import init_lab  # noqa: E402
+from controller.local import init_lab  # noqa: E402
 from controller.core.hashing import candidate_hash  # noqa: E402
 from controller.kube.crds import render  # noqa: E402
 from controller.operator import Operator, OperatorConfig, register  # noqa: E402

@@ -58,9 +58,9 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from controller.cli.lab import init_lab  # noqa: E402
+from controller.backends import Backend  # noqa: E402
 from controller.core.reconcile import RunObservation  # noqa: E402
-from controller.local import LAB_FILE, LocalLab  # noqa: E402
+from controller.local import LAB_FILE, LocalLab, init_lab  # noqa: E402
 
 BASE = 1.0            # the seed master's true val_bpb
 GPU = 0.0010          # a run's own noise (the same seed twice differ by GPU * sqrt(2))
@@ -88,7 +88,7 @@ def switches_on(source: str) -> set[int]:
     return {int(m) for m in re.findall(r"^EFFECT_(\d+) = 1$", source, re.M)}
 
 
-class StandIn:
+class StandIn(Backend):
     """A backend with a known answer (see the module docstring). Runs finish on the next
     observation, so runs overlap and finish in an order of their own."""
 

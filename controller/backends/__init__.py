@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.core.errors import MachineError
 from controller.core.reconcile import RunObservation
 
 
-class BackendConfigError(Exception):
+class BackendConfigError(MachineError):
     """The lab's settings for a backend cannot work (no token, data it cannot reach): every
     run on it would fail the same way, so the loop stops and the message says what to set,
     instead of recording it against one experiment after another."""
@@ -39,6 +40,10 @@ class RunRequest:
 
 
 class Backend(Protocol):
+    """What the engine asks of a backend. The first five every backend writes; the rest are
+    what only some backends can do, with the answer of one that cannot, so a backend inherits
+    them (`class LocalBackend(Backend)`) and writes only those it offers."""
+
     name: str
 
     def submit(self, req: RunRequest) -> RunObservation: ...
@@ -52,3 +57,29 @@ class Backend(Protocol):
 
     def leftovers(self, run: str) -> bool:
         """True while `cleanup` still has something to remove."""
+
+    # -- what only some backends can do (the local one does all of it) -----------------------
+    starts_ahead: bool = False
+    """Whether `start_next` starts anything: the engine asks the core who is next only then."""
+
+    def start_next(self, req: RunRequest) -> None:
+        """Start the run `req` on its slot now, held until its `submit` (while the slot's run
+        is evaluated). A backend that schedules its own machines starts nothing ahead."""
+
+    def stop_next(self, slot: str | None = None) -> None:
+        """Stop the run started ahead on `slot` (every slot: None); none started, none stopped."""
+
+    def give_back(self, run: str) -> None:
+        """`run`'s evaluation ran out of time beside a run started ahead: stop that one. Without
+        `start_next` there is no neighbour to stop."""
+
+    def slot_of(self, run: str) -> str | None:
+        """The slot (a GPU of this machine) `run` holds; None where the backend schedules it."""
+        return None
+
+    def reap_stale(self) -> list[str]:
+        """Stop what a controller that is gone started ahead, one line per run for a person."""
+        return []
+
+    def close(self) -> None:
+        """Let go of what this backend holds in this process (its runs go on)."""

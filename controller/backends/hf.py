@@ -87,7 +87,7 @@ from huggingface_hub import HfApi, Volume
 from huggingface_hub.errors import HfHubHTTPError, JobNotFoundError
 from huggingface_hub.utils import get_token
 
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
 from controller.backends.hf_api import (HfBackendError, LogReader, RateLimited, refusal_message,
                                         retry_after, server_message, status_code,
                                         token_from_secret)
@@ -97,7 +97,7 @@ from controller.lab.harness import HARNESS_FILES, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
 from controller.lab.clock import iso
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 __all__ = ["HfBackend", "HfBackendError", "HfSettings", "token_from_secret", "refusal_message",
@@ -186,7 +186,7 @@ def _read_json(path: Path) -> dict:
 
 
 
-class HfBackend:
+class HfBackend(Backend):
     """Runs, observes and cancels bench runs as Hugging Face jobs (see the module docstring)."""
 
     name = "hf"

@@ -33,8 +33,10 @@ MAX_RESULT_LINES = 64         # the last lines with the result marker (ours is t
 RETRY_AFTER_MAX = 3600.0  # the longest wait a Retry-After may ask for
 
 
-class HfBackendError(SpecError, BackendConfigError):
-    """The lab's Hugging Face settings cannot work; the message says what to set."""
+class HfBackendError(BackendConfigError, SpecError):
+    """The lab's Hugging Face settings cannot work; the message says what to set. A SpecError
+    to the code that reports a spec's problem, and the machine's to fix (a token, a Secret, a
+    bucket: `BackendConfigError` comes first)."""
 
 
 

@@ -25,6 +25,9 @@ import re
 import tarfile
 from typing import Any, Iterable, Iterator
 
+from controller.backends.results import wrong_candidate
+from controller.core.errors import InputError
+
 BUNDLE_ENV = "AUTOLAB_BUNDLE"
 BUNDLE_PART = 96 * 1024    # characters of base64 in one environment variable
 BUNDLE_LIMIT = 4 * BUNDLE_PART  # in all: the harness is ~80 KiB of it, the candidate the rest
@@ -71,7 +74,7 @@ def bundle_env(bundle: str) -> dict[str, str]:
     return {BUNDLE_ENV if i == 0 else f"{BUNDLE_ENV}_{i}": part for i, part in enumerate(parts)}
 
 
-class BundleTooLarge(ValueError):
+class BundleTooLarge(InputError, ValueError):
     pass
 
 
@@ -104,11 +107,9 @@ def verify_signed_result(lines: Iterable[str], key: bytes, run: str,
         if not isinstance(payload.get("result"), dict):
             continue
         result = payload["result"]
-        measured = result.get("candidate_sha1")
-        # A measurement of another program is not this run's, whoever signed it. (A harness
-        # that could not even read the candidate reports an error without a sha1.)
-        if candidate_sha1 and measured != candidate_sha1 \
-                and (measured is not None or result.get("status") == "succeeded"):
+        # A measurement of another program is not this run's, whoever signed it (the line's
+        # signature stands for the result's own, and its `run` was checked with it).
+        if candidate_sha1 and wrong_candidate(result, candidate_sha1):
             continue
         found = result
     return found

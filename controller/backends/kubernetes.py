@@ -53,7 +53,7 @@ What the controller believes. The `run` container's termination message
 `AUTOLAB_RESULT` line at the end of that container's log (no candidate ever
 wrote to it), and either only if the container's exit code is the one the
 harness gives that status, the HMAC verifies under the run's key
-(controller.backends.local.result_signature), the result names this run and
+(controller.backends.results), the result names this run and
 the sha1 of the candidate the Job was made for (its annotation). Because the
 train container's own clock is in the candidate's reach, the controller times
 that container from the Pod's status (`state.terminated.startedAt` to
@@ -77,7 +77,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import hashlib
-import hmac
 import json
 import math
 import secrets
@@ -85,10 +84,10 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from controller.backends import RunRequest
-from controller.backends.local import result_signature
+from controller.backends import Backend, RunRequest
+from controller.backends.results import authentic
 from controller.kube.cluster import (LABEL_BASELINE, LABEL_CAMPAIGN, LABEL_EXPERIMENT, LABEL_LAB,
-                                LABEL_RUN, OURS, ClusterError, Kube)
+                                LABEL_RUN, OURS, ClusterError, Kube, deleted, unless_gone)
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
 from controller.core.status import Reason
@@ -142,22 +141,7 @@ def container_security() -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def authentic(result: dict, key: bytes, run: str, candidate_sha1: str | None) -> str | None:
-    """None if `result` is this run's harness's (signed with its key, naming it and the
-    candidate it was asked to measure); else what is wrong with it."""
-    sig = result.get("signature")
-    if not isinstance(sig, str) or not hmac.compare_digest(sig, result_signature(key, result)):
-        return "its signature does not verify under this run's key"
-    if result.get("run") != run:
-        return f"it names the run {result.get('run')!r}"
-    if candidate_sha1 and result.get("candidate_sha1") not in (None, candidate_sha1):
-        return "it measured another program than the one this run was asked to run"
-    if result.get("status") == "succeeded" and result.get("candidate_sha1") != candidate_sha1:
-        return "it does not name the candidate it measured"
-    return None
-
-
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     """Runs on Kubernetes Jobs in one namespace, for one Lab."""
 
     name = "kubernetes"
@@ -459,20 +443,12 @@ class KubernetesBackend:
         return self.kube.create_secret(namespace, body)
 
     def _read_secret(self, name: str) -> dict | None:
-        try:
-            return json.loads(self.kube.core.read_namespaced_secret(
-                name, self.namespace, _preload_content=False).data)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return unless_gone(lambda: json.loads(self.kube.core.read_namespaced_secret(
+            name, self.namespace, _preload_content=False).data))
 
     def _delete_secret(self, name: str) -> None:
-        try:
-            self.kube.core.delete_namespaced_secret(name, self.namespace, _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        deleted(lambda: self.kube.core.delete_namespaced_secret(
+            name, self.namespace, _preload_content=False))
 
     def _key(self, run: str) -> bytes | None:
         secret = self._read_secret(key_secret_name(run))

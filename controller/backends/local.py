@@ -54,7 +54,6 @@ the ids by hand (tests use it to stand in for GPUs).
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -67,9 +66,10 @@ from pathlib import Path
 
 from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
                                     pinned_harness, starting_program)
-from controller.backends import RunRequest
+from controller.backends import Backend, RunRequest
+from controller.backends.results import authentic, result_signature
 from controller.core.reconcile import RunObservation
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 
@@ -149,15 +149,9 @@ def _read_json(path: Path) -> dict:
 UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
 
 
-def result_signature(key: bytes, result: dict) -> str:
-    """HMAC-SHA256 over the result without its signature (bench/run.py's `signature`)."""
-    body = {k: v for k, v in result.items() if k != "signature"}
-    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
-                    hashlib.sha256).hexdigest()
-
-
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
+    starts_ahead = True  # a slot's next run starts up while its run is evaluated
 
     def __init__(self, lab_root: str | Path, bench_dir: str | Path | None = None,
                  cache_dir: str | None = None):
@@ -428,22 +422,13 @@ class LocalBackend:
         return result
 
     def _authentic(self, run: str, launch: dict, result: dict) -> str | None:
-        """None if the result is this run's harness's; else what is wrong with it."""
+        """None if the result is this run's harness's (the result contract); else what is
+        wrong with it."""
         try:
             key = (self.run_dir(run) / "key").read_bytes()
         except OSError:
             return "the run's key is missing"
-        sig = result.get("signature")
-        if not isinstance(sig, str) or not hmac.compare_digest(sig, result_signature(key, result)):
-            return "its signature does not verify under this run's key"
-        if result.get("run") != run:
-            return f"it names the run {result.get('run')!r}"
-        want = launch.get("candidateSha1")
-        if want and result.get("candidate_sha1") not in (None, want):
-            return "it measured another program than the one this run was asked to run"
-        if result.get("status") == "succeeded" and result.get("candidate_sha1") != want:
-            return "it does not name the candidate it measured"
-        return None
+        return authentic(result, key, run, launch.get("candidateSha1"))
 
     def observe(self, run: str) -> RunObservation:
         d = self.run_dir(run)

@@ -30,7 +30,7 @@ import yaml
 
 from controller.cli import output as cli
 from controller.core.spec import SpecError
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.local import LocalLab
 
 AGENTS_DIR = cli.REPO_ROOT / "agents"

@@ -42,9 +42,10 @@ from controller.core.reconcile import World, reconcile, run_name
 from controller.core.spec import (API_VERSION, ExperimentSpec, SpecError, is_valid_name,
                                   validate_document)
 from controller.lab.clock import utcnow
+from controller.lab.files import atomic_write
+from controller.lab.git import GitError
 from controller.lab.memory import near_duplicates
 from controller.lab.paths import find_lab_root
-from controller.lab.repo import GitError, atomic_write
 from controller.local import LocalLab, load_yaml_file
 
 

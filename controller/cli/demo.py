@@ -67,8 +67,9 @@ WARMDOWN_LINE = "WARMDOWN_RATIO = 0.5"
 
 
 def run_demo(keep: bool = False, directory: str | None = None) -> int:
-    from controller.cli.lab import (cmd_get, cmd_ledger, cmd_master, default_max_pairs, init_lab,
-                                    run_loop)
+    from controller.cli.lab import cmd_get, cmd_ledger, cmd_master, run_loop
+    from controller.lab.init import default_max_pairs
+    from controller.local import init_lab
 
     started = time.time()
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="autolab-demo-"))

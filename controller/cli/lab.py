@@ -16,33 +16,12 @@ from controller.core.reconcile import TERMINAL
 from controller.core.noise import hard_cap
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
-from controller.lab.init import make_lab
+from controller.lab.init import default_max_pairs
 from controller.engine import BaselineFailed
-from controller.local import LocalLab, load_yaml_file, queue_places
+from controller.local import LocalLab, init_lab, load_yaml_file, queue_places
 from controller.cli.listing import select, sort_records
 from controller.cli.output import (CliError, activate_hint, autolab_command, gain_interval, item,
                                    number, one_line, print_table, printable, table_rows)
-
-
-# `autolab init --profile tiny` (and the demo) write `promotion.maxPairs: 3`: the tiny profile is a
-# CPU smoke test whose 4-s runs spread with the machine's load, so a decision that went to the
-# default cap of 10 pairs would keep a first `autolab run` busy for minutes and resolve nothing a
-# GPU lab would trust. Three pairs still need a significant paired t to promote.
-SMOKE_MAX_PAIRS = {"tiny": 3}
-
-
-def default_max_pairs(profile: str, min_delta: float | str | None) -> int | None:
-    """The `promotion.maxPairs` a new lab of `profile` is written with (None: the default cap);
-    a numeric minDelta lets one pair decide, and keeps it so."""
-    return SMOKE_MAX_PAIRS.get(profile) if min_delta in (None, "auto") else None
-
-
-def init_lab(target: Path, profile: str = "default", data: str = "hub", name: str = "default",
-             budget: int | None = None, min_delta: float | str | None = None,
-             max_pairs: int | None = None) -> LocalLab:
-    """`autolab init`: make the lab directory, then open it."""
-    return LocalLab(make_lab(target, profile=profile, data=data, name=name, budget=budget,
-                             min_delta=min_delta, max_pairs=max_pairs))
 
 
 def cmd_init(a) -> int:

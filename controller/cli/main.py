@@ -16,6 +16,7 @@ import sys
 from filelock import Timeout as LockTimeout
 
 from controller.backends import BackendConfigError
+from controller.core.errors import MACHINE, kind_of
 from controller.core.noise import FIRST_LOOK
 from controller.lab.harness import HarnessError
 from controller.cli import authoring, completion, demo, hf, lab, operator
@@ -24,7 +25,7 @@ from controller.core.spec import SpecError
 from controller.lab.init import LabInitError
 from controller.lab.ledger import LedgerError
 from controller.lab.paths import find_lab_root
-from controller.lab.repo import GitError
+from controller.lab.git import GitError
 from controller.engine import BaselineFailed
 from controller.lab.profiles import profiles
 
@@ -385,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         except (OSError, ValueError):
             _silence_stdout()
+        # Who must act: autolab's own failures say; every other known one (the disk, the
+        # network, the cluster's API, a lock, a token) is the environment's.
+        kind = kind_of(e) or MACHINE
         try:
-            print(f"error: {_redacted(message)}", file=sys.stderr, flush=True)
+            print(f"error: {_redacted(message)} ({kind})", file=sys.stderr, flush=True)
         except OSError:
             pass
         return 1

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from controller.core import figures
+from controller.core.errors import InputError
 from controller.core.spec import API_VERSION
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def activate_hint() -> str:
     return f" (or `source {Path(dev).parent / '.venv' / 'bin' / 'activate'}` once, then `autolab ...`)"
 
 
-class CliError(Exception):
+class CliError(InputError):
     """A known failure of a command: `autolab` prints it on one line and exits 1."""
 
 

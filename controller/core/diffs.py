@@ -9,7 +9,7 @@ text that is not a unified diff, and characters a diff may not carry (NUL
 and other control characters, lone surrogates, a CR outside a CRLF line end,
 bidirectional controls: see `controller.core.spec`). What passes is rewritten
 into one canonical diff against the surface's lab-relative path, with LF line
-ends, which git then applies in a worktree (see `controller.lab.repo`): the
+ends, which git then applies to a copy of the surface (see `controller.lab.checks`): the
 hunks themselves are git's to judge. A hunk with no context lines (`@@ -60 +60 @@`,
 as `diff -U0` writes and people write by hand) is well-formed; git applies it only
 when told so (`--unidiff-zero`), so the checked diff says whether it has one.
@@ -21,13 +21,14 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from controller.core.errors import InputError
 from controller.core.hashing import parse_python
 from controller.core.spec import unsafe_character
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
-class DiffRefused(ValueError):
+class DiffRefused(InputError, ValueError):
     """The diff cannot be used; `reason` is a CamelCase code, the message says what to fix."""
 
     def __init__(self, reason: str, message: str):

@@ -29,13 +29,19 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+# A run's summary figures, in the order train.py prints them and the harness's result carries
+# them (bench/run.py's METRIC_KEYS, which runs without this package; tests/test_bench.py checks
+# that the two agree). The first five are the ledger's columns.
+SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
+                "total_tokens_M", "num_steps", "num_params_M", "depth")
+LEDGER_FIGURES = SUMMARY_KEYS[:5]
 # The ledger's column (added after the seed's and Autolab's first ones) and the status field.
 COLUMN = "self_reported"
 STATUS_FIELD = "selfReported"
 # What the harness took from the candidate's stats.json before it measured MFU and GPU memory.
 LEGACY = ("peak_vram_mb", "mfu_percent", "num_steps", "depth")
 # The seed lab's figures: its train.py printed them all, the metric too.
-SEED_IMPORTED = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent")
+SEED_IMPORTED = LEDGER_FIGURES
 MARK = "(candidate's)"
 EXPLAINED = "the candidate's own figure; the harness did not measure it"
 TRACKIO_PREFIX = "self_reported/"

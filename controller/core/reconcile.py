@@ -70,8 +70,7 @@ LOST_RETRIES = 3
 # (the same change may be applied again once the machine is fixed), as before retries.
 NOT_RETRIED = ("SandboxUnavailable", "DataUnavailable", "HarnessTampered")
 
-SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
-                "total_tokens_M", "num_steps", "num_params_M", "depth")
+SUMMARY_KEYS = figures.SUMMARY_KEYS  # what of a result's metrics a status keeps
 
 
 # --- what the front end observed -------------------------------------------------------------
@@ -1020,13 +1019,13 @@ def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
            "outcome": "", "backend": job.get("backend", ""),
            "reason": "" if val is not None else ((run.result or {}).get("reason_code") or ""),
            "rebased_from": "", "duplicate_of": "", "delta": ""}
-    for k in ("training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent"):
+    for k in FIGURE_COLUMNS[1:]:  # after val_bpb, set above
         row[k] = "" if metrics.get(k) is None else str(metrics[k])
     row[figures.COLUMN] = _own_columns(set(figures.of_result(run.result, metrics)), row)
     return row
 
 
-FIGURE_COLUMNS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent")
+FIGURE_COLUMNS = figures.LEDGER_FIGURES
 
 
 def _own_columns(own: set[str], row: dict) -> str:

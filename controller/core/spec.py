@@ -41,6 +41,7 @@ from typing import Any
 
 import jsonschema
 
+from controller.core.errors import InputError, MachineError
 from controller.core.noise import FIRST_LOOK, MAX_PAIRS, NOISE_RUNS
 
 GROUP = "autolab.dev"
@@ -223,8 +224,15 @@ def crd_schema(schema: dict) -> dict:
     return out
 
 
-class SpecError(ValueError):
+class SpecError(InputError, ValueError):
     """A spec that cannot be accepted; the message names where and what to fix."""
+
+
+class SpecUnreadable(MachineError, SpecError):
+    """A spec, or a record the controller keeps of one (master.json, a status file), that the
+    machine could not read or that something damaged: nothing the user wrote is at fault.
+    Still a SpecError, so every place that reports a spec's problem against its experiment
+    reports this one there too; its kind is the machine's."""
 
 
 def _where(path: list | tuple) -> str:

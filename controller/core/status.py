@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from controller.core.errors import MachineError
+
 
 # --- phases ------------------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ NOT_MEASURED = (Reason.INFRASTRUCTURE_ERROR, Reason.RUN_LOST, Reason.PAIR_RUN_LO
 
 # --- the parsed view ---------------------------------------------------------------------------
 
-class StatusError(ValueError):
+class StatusError(MachineError, ValueError):
     """A stored status that is not one (a hand edit, a crash mid-write, another tool)."""
 
 

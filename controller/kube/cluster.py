@@ -5,8 +5,8 @@ Three pieces the operator builds on, each small enough to read in one go:
 - `Kube`: the few calls the operator makes, through the official `kubernetes`
   client, answering plain dicts (the objects as the API server sent them), so
   nothing here depends on the client's generated models. Writes are merge
-  patches; a 404 on a read is `None`, every other error is the client's
-  `ApiException`. The calls of every pass go below the generated methods, to the
+  patches; a 404 on a read is `None` (`unless_gone`), every other error is the
+  client's `ApiException`. The calls of every pass go below the generated methods, to the
   `ApiClient` they use (`Kube.request`: its authentication, TLS, retries and
   errors): a generated method first validates its arguments with pydantic and
   turns a dict body into the client's model and back, ~4 ms of CPU for a Job.
@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from controller.core.errors import MachineError
 from controller.core.hashing import candidate_hash, semantic_hash
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import GROUP, VERSION
-from controller.lab.repo import MASTER_BRANCH, LabRepo, atomic_write, read_places
+from controller.lab.files import atomic_write
+from controller.lab.master import MASTER_BRANCH, read_places
+from controller.lab.repo import LabRepo
 
 MERGE_PATCH = "application/merge-patch+json"
 CUSTOM_OBJECT = "/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}"
@@ -51,8 +54,31 @@ PROMOTIONS_KEPT = 20
 CAS_ATTEMPTS = 20
 
 
-class ClusterError(RuntimeError):
+class ClusterError(MachineError, RuntimeError):
     """Something in the cluster is not as the operator needs it; the message says what to do."""
+
+
+T = TypeVar("T")
+GONE = 404  # the API server's answer for an object that is not there (never made, or deleted)
+
+
+def unless_gone(call: Callable[[], T], also: tuple[int, ...] = ()) -> T | None:
+    """What `call` answers, or None when the object it reads or writes is not there (404, and
+    the statuses in `also`). Every other error is the client's `ApiException`."""
+    try:
+        return call()
+    except ApiException as e:
+        if e.status == GONE or e.status in also:
+            return None
+        raise
+
+
+def deleted(call: Callable[[], object]) -> bool:
+    """Run a delete: True if it deleted something, False if it was gone already (404)."""
+    def delete() -> bool:
+        call()
+        return True
+    return unless_gone(delete) is True
 
 
 def _load(resp: Any) -> dict:
@@ -87,37 +113,26 @@ class Kube:
 
     # -- our resources ---------------------------------------------------------------------------
     def get_custom(self, namespace: str, plural: str, name: str) -> dict | None:
-        try:
-            return self.request("GET", CUSTOM_OBJECT, namespace=namespace, plural=plural,
-                                name=name, group=GROUP, version=VERSION)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return unless_gone(lambda: self.request("GET", CUSTOM_OBJECT, namespace=namespace,
+                                                plural=plural, name=name, group=GROUP,
+                                                version=VERSION))
 
     def list_custom(self, namespace: str, plural: str) -> list[dict]:
         return _load(self.custom.list_namespaced_custom_object(
             GROUP, VERSION, namespace, plural, _preload_content=False)).get("items") or []
 
     def patch_status(self, namespace: str, plural: str, name: str, status: dict) -> dict | None:
-        try:
-            return self.request("PATCH", CUSTOM_OBJECT + "/status", {"status": status},
-                                MERGE_PATCH, namespace=namespace, plural=plural, name=name,
-                                group=GROUP, version=VERSION)
-        except ApiException as e:
-            if e.status == 404:  # deleted meanwhile: nothing left to describe
-                return None
-            raise
+        """The object with its new status; None if it was deleted meanwhile (nothing left to
+        describe)."""
+        return unless_gone(lambda: self.request(
+            "PATCH", CUSTOM_OBJECT + "/status", {"status": status}, MERGE_PATCH,
+            namespace=namespace, plural=plural, name=name, group=GROUP, version=VERSION))
 
     # -- config maps -----------------------------------------------------------------------------
     def get_configmap(self, namespace: str, name: str) -> dict | None:
-        try:
-            return self.request("GET", "/api/v1/namespaces/{namespace}/configmaps/{name}",
-                                namespace=namespace, name=name)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return unless_gone(lambda: self.request(
+            "GET", "/api/v1/namespaces/{namespace}/configmaps/{name}", namespace=namespace,
+            name=name))
 
     def create_configmap(self, namespace: str, body: dict) -> dict:
         return self.request("POST", "/api/v1/namespaces/{namespace}/configmaps", body,
@@ -128,22 +143,13 @@ class Kube:
             name, namespace, body, _content_type=MERGE_PATCH, _preload_content=False))
 
     def delete_configmap(self, namespace: str, name: str) -> bool:
-        try:
-            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
+        return deleted(lambda: self.core.delete_namespaced_config_map(
+            name, namespace, _preload_content=False))
 
     # -- jobs and pods ---------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict | None:
-        try:
-            return _load(self.batch.read_namespaced_job(name, namespace, _preload_content=False))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return unless_gone(lambda: _load(self.batch.read_namespaced_job(
+            name, namespace, _preload_content=False)))
 
     def create_job(self, namespace: str, body: dict) -> dict:
         return self.request("POST", "/apis/batch/v1/namespaces/{namespace}/jobs", body,
@@ -158,14 +164,8 @@ class Kube:
                             namespace=namespace)
 
     def delete_job(self, namespace: str, name: str) -> bool:
-        try:
-            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
-                                             _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
+        return deleted(lambda: self.batch.delete_namespaced_job(
+            name, namespace, propagation_policy="Background", _preload_content=False))
 
     def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -177,15 +177,10 @@ class Kube:
 
     def pod_log_tail(self, namespace: str, name: str, container: str,
                      limit_bytes: int = 16384) -> str:
-        try:
-            resp = self.core.read_namespaced_pod_log(name, namespace, container=container,
-                                                     limit_bytes=limit_bytes,
-                                                     _preload_content=False)
-        except ApiException as e:
-            if e.status in (400, 404):  # no such pod, or its container never started
-                return ""
-            raise
-        return resp.data.decode("utf-8", errors="replace")
+        resp = unless_gone(lambda: self.core.read_namespaced_pod_log(  # 400: never started
+            name, namespace, container=container, limit_bytes=limit_bytes,
+            _preload_content=False), also=(400,))
+        return "" if resp is None else resp.data.decode("utf-8", errors="replace")
 
 
 def owner_reference(obj: dict) -> dict:

@@ -10,7 +10,8 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from controller.lab.repo import atomic_write
+from controller.core.errors import MachineError
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
@@ -25,8 +26,8 @@ def _blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-class HarnessError(RuntimeError):
-    pass
+class HarnessError(MachineError, RuntimeError):
+    """The lab's pinned harness cannot be read from its first commit."""
 
 
 def _first_commit(root: Path) -> str | None:

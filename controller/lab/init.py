@@ -1,7 +1,8 @@
 """Making a lab: a git repo with the pinned bench, the research folders and a seeded master.
 
 `autolab init` and the operator (for a Lab it has no directory for yet) both call
-`make_lab`, so a lab made on a laptop and one made in a cluster look the same.
+`make_lab`, so a lab made on a laptop and one made in a cluster look the same
+(`controller.local.init_lab` makes one and opens it, for benchmarks and tests).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from controller.core.errors import InputError
 from controller.core.spec import API_VERSION, LabSpec
 from controller.lab.paths import LAB_FILE
 from controller.lab.repo import LabRepo
@@ -24,8 +26,20 @@ RESEARCH_FILES = {
                         " The controller appends here; people may annotate.\n",
 }
 
+# `autolab init --profile tiny` (and the demo) write `promotion.maxPairs: 3`: the tiny profile is a
+# CPU smoke test whose 4-s runs spread with the machine's load, so a decision that went to the
+# default cap of 10 pairs would keep a first `autolab run` busy for minutes and resolve nothing a
+# GPU lab would trust. Three pairs still need a significant paired t to promote.
+SMOKE_MAX_PAIRS = {"tiny": 3}
 
-class LabInitError(RuntimeError):
+
+def default_max_pairs(profile: str, min_delta: float | str | None) -> int | None:
+    """The `promotion.maxPairs` a new lab of `profile` is written with (None: the default cap);
+    a numeric minDelta lets one pair decide, and keeps it so."""
+    return SMOKE_MAX_PAIRS.get(profile) if min_delta in (None, "auto") else None
+
+
+class LabInitError(InputError, RuntimeError):
     """The lab cannot be made here (it exists already, or the bench sources are missing)."""
 
 

@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from controller.core.errors import MachineError
+
 SEED_COLUMNS = ("run_id created_at status job_id campaign experiment_id worker_id hypothesis "
                 "parent_hash candidate_hash val_bpb training_seconds total_seconds peak_vram_mb "
                 "mfu_percent promoted comment").split()
@@ -77,8 +79,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class LedgerError(RuntimeError):
-    pass
+class LedgerError(MachineError, RuntimeError):
+    """The ledger file cannot be read or written as a ledger (a hand edit, a cut-short copy)."""
 
 
 def _clean(value: object) -> str:

@@ -35,7 +35,7 @@ from typing import Callable
 from filelock import FileLock
 
 from controller.core.diffs import DiffRefused, constant_changes, parse_surface_diff
-from controller.lab.repo import atomic_write
+from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
 

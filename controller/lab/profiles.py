@@ -23,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from controller.core.errors import MachineError
 from controller.core.hashing import parse_python
 
 REPO_BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -32,7 +33,7 @@ DEFAULT = "default"
 NUMBERS = ("time_budget", "startup_allowance", "export_allowance", "eval_timeout")
 
 
-class ProfileError(ValueError):
+class ProfileError(MachineError, ValueError):
     """The profiles cannot be read from a harness file (missing, not Python, not literal)."""
 
 

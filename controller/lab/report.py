@@ -37,9 +37,10 @@ from typing import Protocol
 from controller.core import figures
 from controller.core.spec import LabSpec
 from controller.lab import clock, profiles
+from controller.lab.files import atomic_write
 from controller.lab.ledger import Ledger
 from controller.lab.paths import LabPaths
-from controller.lab.repo import LabRepo, atomic_write
+from controller.lab.repo import LabRepo
 
 class LabView(Protocol):
     """What a report reads of a lab (the local front end's `LocalLab` is one)."""

@@ -79,8 +79,7 @@ CHARTED, GPU_ONLY = ("delta", "mfu_percent", "peak_vram_mb"), ("mfu_percent", "p
 # Summary figures that describe the run (the same for most runs): its config, not a chart.
 FACTS = ("val_bpb", "num_params_M", "depth", "num_steps", "total_tokens_M", "training_seconds",
          "total_seconds")
-SUMMARY_KEYS = ("val_bpb", "training_seconds", "total_seconds", "peak_vram_mb", "mfu_percent",
-                "total_tokens_M", "num_steps", "num_params_M", "depth")
+SUMMARY_KEYS = figures.SUMMARY_KEYS
 # The curve's "time" is a wall-clock timestamp (and a name trackio reserves): it is logged as
 # seconds since the curve's first point.
 CLOCK_KEY, ELAPSED_KEY = "time", "elapsed_seconds"
