@@ -9,9 +9,9 @@ observes the world for it and carries those effects out, for the local loop
 and the operator alike:
 
     front end (a file changed, a kopf event, a timer)
-        -> Engine.reconcile(name)
-             observe: the experiment (StatusStore), its run (a backend), the
-                      master (MasterOfRecord), the ledger, what its check left
+        -> Engine.reconcile(observed): the experiment as the front end read it
+             observe the rest: its run (a backend), the master
+                      (MasterOfRecord), the ledger, what its check left
              -> reconcile(World) -> Decision(status, intents, events, finalized)
              -> tell the events, write the status, carry out the intents:
                 materialise (checks, duplicate lookup), acquire-slot (the slot
@@ -139,7 +139,12 @@ class Observed:
 
 
 class StatusStore(Protocol):
-    """Where experiments and their statuses live."""
+    """Where experiments and their statuses live.
+
+    The front end reads an experiment and hands it to `Engine.reconcile`; the engine reads
+    through `read` only what its pass was not handed: another experiment (the one started up
+    next to a run), or the status again after a pass that failed.
+    """
 
     def read(self, name: str) -> Observed | None: ...
 
@@ -406,16 +411,17 @@ class Engine:
         return spec, doc, None
 
     # -- one experiment ------------------------------------------------------------------------------
-    def reconcile(self, name: str, deleting: bool = False,
-                  schedule: bool = True) -> Decision | None:
-        """Observe, reconcile and act until nothing is left to do. None if it is gone.
+    def reconcile(self, obs: Observed, deleting: bool = False,
+                  schedule: bool = True) -> Decision:
+        """Observe the rest of its world, reconcile and act until nothing is left to do.
 
-        `schedule=False` leaves a slot request unanswered this time (a front end that checks
-        a batch of new specs first, so their priorities are weighed together, then schedules).
+        `obs` is the experiment as its front end just read it (under the front end's own
+        guard: a file lock, the operator's per-object lock): the pass never reads it again,
+        it writes over it. `schedule=False` leaves a slot request unanswered this time (a
+        front end that checks a batch of new specs first, so their priorities are weighed
+        together, then schedules).
         """
-        obs = self.statuses.read(name)
-        if obs is None:
-            return None
+        name = obs.name
         try:
             decision = self._pass(obs, deleting or obs.deleting, schedule)
         except Exception:

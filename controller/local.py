@@ -133,23 +133,25 @@ class LoadedSpecs:
 
 
 class LocalStatuses:
-    """StatusStore: the spec files of `experiments/` and the records under `.autolab/status`."""
+    """StatusStore: the spec files of `experiments/` and the records under `.autolab/status`.
+
+    A pass reads its record once (`read`, under the experiment's file lock) and writes its
+    statuses over the record it read: the store keeps that record until the experiment is
+    read again or let go, so a status write reads no file.
+    """
 
     def __init__(self, lab: "LocalLab"):
         self.lab = lab
-        self.loaded: LoadedSpecs | None = None  # the spec files of the pass under way
+        self._records: dict[str, dict] = {}  # name -> its record as last read or written
 
-    def spec_file(self, name: str) -> SpecFile | None:
-        if self.loaded is None:
-            return self.lab.load_specs().specs.get(name)
-        return self.loaded.specs.get(name)
-
-    def read(self, name: str, created: str | None = None) -> Observed | None:
+    def read(self, name: str, created: str | None = None,
+             specs: LoadedSpecs | None = None) -> Observed | None:
         """The experiment as stored; a spec file seen for the first time gets its record now,
-        created at `created` (default: the file's modification time)."""
+        created at `created` (default: the file's modification time). `specs`: the spec files
+        as the pass under way loaded them (default: load them now)."""
         lab = self.lab
         record = lab.read_record(name)
-        sf = self.spec_file(name)
+        sf = (specs if specs is not None else lab.load_specs()).specs.get(name)
         if sf is not None and not sf.path.exists():
             sf = None  # deleted since the pass began (`autolab delete` beside the loop)
         if sf is not None and sf.doc is not None and trackable(sf.doc):
@@ -167,7 +169,9 @@ class LocalStatuses:
         else:
             sf = None
         if not record:
+            self._records.pop(name, None)
             return None  # finalized meanwhile (e.g. by `autolab delete` while the loop ran)
+        self._records[name] = record
         spec = record.get("spec")
         error = sf.error if sf is not None else None
         status = record.get("status") or {}
@@ -182,12 +186,16 @@ class LocalStatuses:
                         deleting=sf is None, spec_error=error, created=created_of(record))
 
     def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
-        record = self.lab.read_record(name)
+        record = self._records.get(name)
+        if record is None:
+            record = self.lab.read_record(name)
         if record.get("status") != status:
-            record["status"] = status
+            record = {**record, "status": status}
             self.lab.write_record(name, record)
+        self._records[name] = record
 
     def finalized(self, name: str) -> None:
+        self._records.pop(name, None)
         self.lab.paths.status_file(name).unlink(missing_ok=True)
 
 
@@ -358,11 +366,15 @@ class LocalLab:
     def _lock(self, name: str) -> FileLock:
         return FileLock(str(self.paths.lock(f"exp-{name}")))
 
-    def reconcile_one(self, name: str, deleting: bool = False,
-                      schedule: bool = True) -> Decision | None:
-        """One engine pass over `name`, under its file lock (`autolab delete` may run beside)."""
+    def reconcile_one(self, name: str, deleting: bool = False, schedule: bool = True,
+                      specs: LoadedSpecs | None = None) -> Decision | None:
+        """One engine pass over `name`, under its file lock (`autolab delete` may run beside):
+        its record read once, and handed to the engine. None if it is gone."""
         with self._lock(name):
-            return self.engine.reconcile(name, deleting=deleting, schedule=schedule)
+            obs = self.statuses.read(name, specs=specs)
+            if obs is None:
+                return None
+            return self.engine.reconcile(obs, deleting=deleting, schedule=schedule)
 
     def _planning_record(self, name: str) -> dict:
         """A record to plan a pass with; one that cannot be read, or is mis-shaped, reads as {}.
@@ -380,7 +392,7 @@ class LocalLab:
         # it, or the pass summary never sees it settle and `autolab run` never ends.
         return r if ok else {**r, "spec": {}}
 
-    def _reconcile_isolated(self, name: str, deleting: bool = False,
+    def _reconcile_isolated(self, name: str, specs: LoadedSpecs, deleting: bool = False,
                             schedule: bool = True) -> str | None:
         """`reconcile_one`, with a failure kept to that experiment; returns its message, if any.
 
@@ -389,7 +401,7 @@ class LocalLab:
         the next pass tries again.
         """
         try:
-            self.reconcile_one(name, deleting=deleting, schedule=schedule)
+            self.reconcile_one(name, deleting=deleting, schedule=schedule, specs=specs)
         except BackendConfigError:
             raise  # the lab's, not this experiment's: stop and say what to set
         except Exception as e:  # isolation is the point: whatever it is, it is this one's
@@ -424,11 +436,7 @@ class LocalLab:
                                               "DNS label (a-z, 0-9, '-')")
         for n in deleting:
             loaded.specs.pop(n, None)
-        self.statuses.loaded = loaded
-        try:
-            return self._step(loaded)
-        finally:
-            self.statuses.loaded = None
+        return self._step(loaded)
 
     def _observe_all(self) -> dict[str, dict]:
         records = {n: self._planning_record(n) for n in self.names()}
@@ -437,13 +445,13 @@ class LocalLab:
                                  for n, r in records.items()])
         return records
 
-    def _observe_new(self, names: list[str]) -> list[Observed]:
+    def _observe_new(self, names: list[str], specs: LoadedSpecs) -> list[Observed]:
         """The new experiments as their passes will read them (each under its lock)."""
         out = []
         for n in names:
             try:
                 with self._lock(n):
-                    obs = self.statuses.read(n)
+                    obs = self.statuses.read(n, specs=specs)
             except Exception:  # its own pass meets the problem and tells it
                 continue
             if obs is not None:
@@ -460,13 +468,13 @@ class LocalLab:
         # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment.
         #    No slots yet: the new specs' priorities are weighed together in step 2.
         for n in sorted(gone):
-            failures.append(self._reconcile_isolated(n, deleting=True))
+            failures.append(self._reconcile_isolated(n, loaded, deleting=True))
         new = [n for n in order
                if (records.get(n, {}).get("status") or {}).get("phase") in (None, "Pending")]
-        self.engine.precheck(self._observe_new(new))  # checked on every core, taken in order
+        self.engine.precheck(self._observe_new(new, loaded))  # checked on every core, taken in order
         try:
             for n in new:
-                failures.append(self._reconcile_isolated(n, schedule=False))
+                failures.append(self._reconcile_isolated(n, loaded, schedule=False))
         finally:
             self.engine.drop_prechecks()
         # 2. the master's baseline, then everything in flight or left to settle
@@ -483,7 +491,7 @@ class LocalLab:
         for n in sorted(records, key=lambda n: n not in in_flight):
             phase = (records[n].get("status") or {}).get("phase")
             if phase in ACTIVE or (phase in TERMINAL and n in loaded.specs):
-                failures.append(self._reconcile_isolated(n))
+                failures.append(self._reconcile_isolated(n, loaded))
         return self.summary(loaded.errors + [f for f in failures if f])
 
     def summary(self, errors: list[str] | None = None) -> "PassSummary":

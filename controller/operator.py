@@ -187,18 +187,19 @@ class ClusterStatuses:
 
     def __init__(self, rt: "LabRuntime"):
         self.rt = rt
-        self.fresh: dict[str, dict] = {}  # an object just read by the handler: no second GET
         self.refs: dict[str, dict] = {}   # name -> what kopf needs to post Events about it
         self.known: dict[str, dict] = {}  # name -> its status as last read or written
 
     def read(self, name: str) -> Observed | None:
-        obj = self.fresh.pop(name, None) or self.rt.op.connect().get_custom(
-            self.rt.namespace, "experiments", name)
-        if obj is None:
-            return None
+        obj = self.rt.op.connect().get_custom(self.rt.namespace, "experiments", name)
+        return None if obj is None else self.observed(obj)
+
+    def observed(self, obj: dict) -> Observed:
+        """An Experiment object as the engine takes it (what a handler just read)."""
         from controller.kube.cluster import owner_reference
 
         meta = obj["metadata"]
+        name = meta["name"]
         self.refs[name] = _ref(obj)
         status = {k: v for k, v in (obj.get("status") or {}).items() if k != "kopf"}
         self.known[name] = status
@@ -649,14 +650,8 @@ class Operator:
             obj = self.connect().get_custom(namespace, "experiments", name)
             if obj is None:
                 return None
-        rt.statuses.fresh[name] = obj
-        try:
-            decision = rt.engine.reconcile(name, deleting=deleting)
-        finally:
-            rt.statuses.fresh.pop(name, None)
+        decision = rt.engine.reconcile(rt.statuses.observed(obj), deleting=deleting)
         key = (namespace, name)
-        if decision is None:
-            return None
         st = decision.status
         self.phases[key] = st.get("phase")
         if decision.finalized:
