@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import secrets
 import threading
@@ -101,10 +102,13 @@ from controller.core.noise import (ALPHA, detectable_gain, lord_level, mean, pla
                                    spread)
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
-from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Decision, Event, Master,
-                                       PromotionResult, RunObservation, World, baseline_run_name,
-                                       carried_values, master_run_row, noise_run_name,
-                                       reconcile, reconcile_baseline, run_name)
+from controller.core.intents import (AcquireSlot, Cancel, ClaimTest, Cleanup, CleanupRun,
+                                     Decision, Event, Materialise, Promote, Promotion, Record,
+                                     ResubmitBaseline, SetMasterMetric, SetPlace, Submit)
+from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Master, PromotionResult,
+                                       RunObservation, World, baseline_run_name, carried_values,
+                                       master_run_row, noise_run_name, reconcile,
+                                       reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec, next_name
@@ -170,14 +174,8 @@ class MasterOfRecord(Protocol):
         a bringing in step begun since then (under the same lock) is as fresh as a new one.
         """
 
-    def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None,
-                places: dict | None = None) -> PromotionResult:
-        """Compare-and-swap: `name` replaces the master if the master is still `parent` and
-        `val_bpb` beats `against` (the value it was judged against; else the master's) by
-        more than `margin` (-inf: the pairs already decided). `places`: the candidate's
-        values by place, the new master's."""
+    def promote(self, promotion: Promotion) -> PromotionResult:
+        """Compare-and-swap the candidate in as the master (see `Promotion`)."""
 
     def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
         """The baseline of `master`: its val_bpb, and its value at the places it ran."""
@@ -224,6 +222,37 @@ class BaselineState:
     run: str | None = None         # this attempt's run name
     state: str = "measured"        # measured | running | waiting | failed
     message: str = ""
+
+
+@dataclass
+class _Pass:
+    """One pass over one experiment: what it learned so far, and its status as it goes."""
+
+    obs: Observed
+    spec: ExperimentSpec | None
+    spec_doc: dict | None
+    spec_error: str | None
+    deleting: bool
+    schedule: bool
+    st: dict                   # its status now
+    written: dict              # its status as stored
+    untold: list[Event] = field(default_factory=list)  # events of transitions not stored yet
+    run: RunObservation | None = None
+    candidate: Candidate | None = None
+    duplicate: str | None = None
+    near: tuple[str, ...] = ()
+    promotion: PromotionResult | None = None
+    slot: str | None = None
+    now: str = ""              # the time of the step's World
+    waiting: bool = False      # no slot yet: the pass ends, a later one asks again
+
+    @property
+    def name(self) -> str:
+        return self.obs.name
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority if self.spec else 0
 
 
 # --- the engine --------------------------------------------------------------------------------
@@ -454,159 +483,215 @@ class Engine:
             self.events.experiment(name, event)
         events.clear()
 
-    def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
-        name = obs.name
+    def world(self, name: str, spec: ExperimentSpec | None, status: dict, *,
+              slot: str | None = None, observe: bool = True, **seen) -> World:
+        """The World of one experiment, as this engine sees it: the one place a World is made.
+
+        `seen`: what the caller learned already (the spec's refusal, its checks, its run, a
+        promotion's answer: World's fields by name). `observe=False` leaves out what only a
+        recorded experiment has (its ledger row, leftovers, its test): a dry run's World.
+        """
+        observed: dict = {}
+        if observe:
+            job = status.get("job") or {}
+            observed = dict(recorded=self.ledger.has_run(status.get("run") or job.get("name")
+                                                         or run_name(name)),
+                            worktree=self._leftovers(name, status),
+                            **self._test_of(name, status, slot))
+        return World(name=name, spec=spec, lab=self._world_lab(), master=self.master.master(),
+                     now=utcnow(), status=status, slot=slot, **seen, **observed)
+
+    def _begin(self, obs: Observed, deleting: bool, schedule: bool) -> _Pass:
+        """A pass's start: the spec that runs, and the run its status names, observed."""
         spec, spec_doc, spec_error = self.spec_of(obs)
         fresh = not deleting and obs.status.get("phase") in (None, PENDING) \
             and not obs.status.get("candidateHash")  # not checked yet: no row of its own
-        used = self.ledger.name_recorded(name) if fresh else None
-        if used:
-            # A new object (not checked yet) under a name the ledger holds: its runs
-            # (`exp-<name>-<attempt>`) would be the old ones, adopted (a backend never starts a
-            # run twice), and judged with the old program's val_bpb; its own rows never written
-            # (the run ids are recorded). A spec file written by hand, an Experiment deleted and
-            # made again: both front ends come through here.
-            spec, spec_error = None, (
-                f"experiment name {name!r} was used before ({used}); names are permanent once "
+        refusal = self.name_refusal(obs.name) if fresh else None
+        if refusal:
+            spec, spec_error = None, refusal
+        p = _Pass(obs=obs, spec=spec, spec_doc=spec_doc, spec_error=spec_error,
+                  deleting=deleting, schedule=schedule, st=obs.status, written=obs.status)
+        view = ExperimentStatus.parse(p.st)  # a status that is not one fails here, and says why
+        if view.job and (view.active or (deleting and not view.terminal)):
+            p.run = self.backend(view.job.backend).observe(view.job.name)
+            if p.run.handback and p.run.state == "running":
+                self._give_back(view.job.backend, view.job.name)
+            elif p.run.handover and p.run.state == "running" and view.job.slot:
+                self._start_next(view.job.backend, view.job.slot, view.job.name)
+        return p
+
+    def name_refusal(self, name: str) -> str | None:
+        """Why `name` cannot be a new experiment: the ledger holds it (the one place the rule
+        of permanent names is decided; both front ends and `autolab validate` ask here).
+
+        A new object under a name the ledger holds would have its runs (`exp-<name>-<attempt>`)
+        be the old ones, adopted (a backend never starts a run twice), and judged with the old
+        program's val_bpb; its own rows never written (the run ids are recorded). A spec file
+        written by hand, an Experiment deleted and made again: both come through here.
+        """
+        used = self.ledger.name_recorded(name)
+        if not used:
+            return None
+        return (f"experiment name {name!r} was used before ({used}); names are permanent once "
                 f"recorded (runs, branches and ledger rows are named after them): apply it "
                 f"under a new name, e.g. {next_name(name)}")
-        priority = spec.priority if spec else 0
-        st = written = obs.status
-        untold: list[Event] = []  # events of transitions whose status is not stored yet
-        view = ExperimentStatus.parse(st)  # a status that is not one fails here, and says why
-        run: RunObservation | None = None
-        if view.job and (view.active or (deleting and not view.terminal)):
-            run = self.backend(view.job.backend).observe(view.job.name)
-            if run.handback and run.state == "running":
-                self._give_back(view.job.backend, view.job.name)
-            elif run.handover and run.state == "running" and view.job.slot:
-                self._start_next(view.job.backend, view.job.slot, view.job.name)
-        candidate: Candidate | None = None
-        duplicate = None
-        near: tuple[str, ...] = ()
-        promotion: PromotionResult | None = None
-        slot: str | None = None
+
+    def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
+        p = self._begin(obs, deleting, schedule)
         decision: Decision | None = None
         for _ in range(MAX_STEPS):
-            job = st.get("job") or {}
-            w = World(name=name, spec=spec, lab=self._world_lab(), master=self.master.master(),
-                      now=utcnow(), status=st, spec_error=spec_error, generation=obs.generation,
-                      deleting=deleting, candidate=candidate, duplicate_of=duplicate, slot=slot,
-                      run=run, promotion=promotion,
-                      recorded=self.ledger.has_run(st.get("run") or job.get("name")
-                                                   or run_name(name)),
-                      worktree=self._leftovers(name, st), near_duplicates=near,
-                      **self._test_of(name, st, slot))
+            w = self.world(p.name, p.spec, p.st, slot=p.slot, spec_error=p.spec_error,
+                           generation=obs.generation, deleting=deleting, candidate=p.candidate,
+                           duplicate_of=p.duplicate, run=p.run, promotion=p.promotion,
+                           near_duplicates=p.near)
+            p.now = w.now
             decision = reconcile(w)
-            if slot is not None and not {"submit", "materialise"} & set(decision.kinds()):
-                self.book.release(name)
-                slot = None
-            # A status is stored before any effect outside the engine: a slot from the book
-            # (in memory) is none, so a status that only asks for one waits for the next step's
-            # and both are one write ("All slots are busy" is stored only when they are). Nor
-            # is an Experiment's first status (Pending) stored before its checks: their effect,
-            # its worktree, is found again by its name, so a controller that dies meanwhile
-            # checks it again; the checks' outcome and it are one write, where a batch of specs
-            # made them two (a request, and a watch event for the operator, per Experiment).
-            # Nor, where the backend schedules by itself (a cluster without gpuSlots: no slot
-            # of ours to hold), is the status that submits a run stored before the submit:
-            # every backend adopts a run of the name it is given and never starts one twice,
-            # so a controller that dies after the submit decides the same run again (its name
-            # and seed come from the status as stored) and adopts it. The submitted run and
-            # its first observation are one write. A run on one of our slots is stored first:
-            # the slot book is rebuilt from the statuses, and a slot whose run no status
-            # names would go to another run beside it.
-            kinds = decision.kinds()
-            only_a_slot = bool(kinds) and schedule and all(k == "acquire-slot" for k in kinds)
-            first_before_checks = not written and kinds == ["materialise"]
-            submitting = kinds == ["submit"] and decision.intents[0].args.get("slot") == UNLIMITED
-            # The events of a transition go before the status that records it: a controller
-            # that dies in between makes the same transition again and tells it again (a sink
-            # that names each transition's events, as the operator's does, tells it once). A
-            # transition never stored is not told: Pending before the checks ("Accepted"),
-            # whose outcome is the first thing told. Events wait with the status they belong
-            # to (`untold`), so where the status waits for a submit the cluster queues, the
-            # run's Job comes first, a few requests sooner.
-            if not first_before_checks:
-                untold += decision.events
-            if decision.status != st:
-                st = decision.status
-                self.book.observe(name, st, priority, obs.created)
-            if st != written and not only_a_slot and not first_before_checks and not submitting:
-                self._tell(name, untold)
-                written = self._store(name, st, written)
+            self._take(p, decision)
             if not decision.intents:
                 break
-            waiting = False
+            p.waiting = False
             for intent in decision.intents:
-                a = intent.args
-                if intent.kind == "materialise":
-                    assert spec is not None
-                    candidate, duplicate = self._materialise(name, spec)
-                    if not candidate.refusal and spec_doc is not None:
-                        self._keep_checked_spec(obs.key, spec_doc)
-                        if st.get("phase") == PENDING and spec is not None and not duplicate:
-                            near = tuple(near_duplicates(self.repo, self.ledger.rows(),
-                                                         spec.diff, name, self._changes))
-                elif intent.kind == "acquire-slot":
-                    slot = self.book.grant(name, a["priority"],
-                                           obs.created or st.get("createdAt") or w.now,
-                                           confirm=a.get("confirm", False)) \
-                        if schedule else None
-                    waiting = slot is None
-                elif intent.kind in ("submit", "claim-test"):
-                    slot = None if intent.kind == "submit" else slot  # used once
-                    if a.get("claim") or intent.kind == "claim-test":
-                        k, level = self._claim_test(name, st.get("parentHash") or "")
-                        if st.get("tries") != k or st.get("level") != level:
-                            # another pass claimed the count meanwhile
-                            st = {**st, "tries": k, "level": level}
-                            written = self._store(name, st, written)
-                    if intent.kind == "claim-test":
-                        continue
-                    run = self.backend(a["backend"]).submit(self._request(obs, spec, a, st))
-                    self._tell(name, untold)
-                elif intent.kind == "set-place":
-                    with self.lock:
-                        self.master.set_place(a["master"], int(a["place"]), a["val_bpb"])
-                elif intent.kind == "cleanup-run":
-                    self.backend(a["backend"]).cleanup(a["run"])
-                elif intent.kind == "cancel":
-                    run = self.backend(a["backend"]).cancel(a["run"])
-                elif intent.kind == "promote":
-                    with self.lock:
-                        promotion = self.master.promote(
-                            name, st["commit"], self.repo.candidate_source(name), a["val_bpb"],
-                            (st["candidateHash"], st["semanticHash"]), st.get("parentHash", ""),
-                            utcnow(), a.get("margin", 0.0), a.get("against"), a.get("places"))
-                    if promotion.promoted:
-                        self._discovered(name)
-                        self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
-                            "evaluate_seconds"), st.get("run") or name)
-                        self.events.lab(Event("Normal", "Promoted",
-                                              f"{name} is the new master: val_bpb "
-                                              f"{a['val_bpb']:.6f} (was "
-                                              f"{promotion.master_val_bpb})."))
-                        self.events.lab_changed()
-                elif intent.kind == "record":
-                    self._record(dict(a["row"]), spec_doc, st)
-                elif intent.kind == "cleanup":
-                    with self.lock:
-                        # Branches of experiments that ran stay: they are the experiment DAG.
-                        self.repo.cleanup(name, keep_branch=bool(st.get("job") or st.get("run")))
-                    if st.get("job"):
-                        self.backend(st["job"]["backend"]).cleanup(st["job"]["name"])
-            if waiting:
+                self._carry_out(intent, p)
+            if p.waiting:
                 break  # no slot yet: the status says so; a later pass asks again
-        self._tell(name, untold)
-        if st != written:
-            self._store(name, st, written)
+        self._tell(p.name, p.untold)
+        if p.st != p.written:
+            self._store(p.name, p.st, p.written)
         assert decision is not None
         if decision.finalized:
             self.paths.checked_spec(obs.key).unlink(missing_ok=True)
-            self.book.forget(name)
-            self.statuses.finalized(name)
+            self.book.forget(p.name)
+            self.statuses.finalized(p.name)
         return decision
+
+    def _take(self, p: _Pass, decision: Decision) -> None:
+        """Take a step's decision: its status (stored now, or with a later step's) and events.
+
+        A status is stored before any effect outside the engine: a slot from the book (in
+        memory) is none, so a status that only asks for one waits for the next step's and both
+        are one write ("All slots are busy" is stored only when they are). Nor is an
+        Experiment's first status (Pending) stored before its checks: their effect, its
+        worktree, is found again by its name, so a controller that dies meanwhile checks it
+        again; the checks' outcome and it are one write, where a batch of specs made them two
+        (a request, and a watch event for the operator, per Experiment). Nor, where the
+        backend schedules by itself (a cluster without gpuSlots: no slot of ours to hold), is
+        the status that submits a run stored before the submit: every backend adopts a run of
+        the name it is given and never starts one twice, so a controller that dies after the
+        submit decides the same run again (its name and seed come from the status as stored)
+        and adopts it. The submitted run and its first observation are one write. A run on one
+        of our slots is stored first: the slot book is rebuilt from the statuses, and a slot
+        whose run no status names would go to another run beside it.
+
+        The events of a transition go before the status that records it: a controller that
+        dies in between makes the same transition again and tells it again (a sink that names
+        each transition's events, as the operator's does, tells it once). A transition never
+        stored is not told: Pending before the checks ("Accepted"), whose outcome is the first
+        thing told. Events wait with the status they belong to (`untold`), so where the status
+        waits for a submit the cluster queues, the run's Job comes first, a few requests sooner.
+        """
+        intents = decision.intents
+        if p.slot is not None and not any(isinstance(i, (Submit, Materialise)) for i in intents):
+            self.book.release(p.name)
+            p.slot = None
+        only_a_slot = bool(intents) and p.schedule \
+            and all(isinstance(i, AcquireSlot) for i in intents)
+        first_before_checks = not p.written and len(intents) == 1 \
+            and isinstance(intents[0], Materialise)
+        submitting = len(intents) == 1 and isinstance(intents[0], Submit) \
+            and intents[0].slot == UNLIMITED
+        if not first_before_checks:
+            p.untold += decision.events
+        if decision.status != p.st:
+            p.st = decision.status
+            self.book.observe(p.name, p.st, p.priority, p.obs.created)
+        if p.st != p.written and not only_a_slot and not first_before_checks and not submitting:
+            self._tell(p.name, p.untold)
+            p.written = self._store(p.name, p.st, p.written)
+
+    # -- carrying out the intents: one method per kind --------------------------------------------
+    @functools.singledispatchmethod
+    def _carry_out(self, intent: object, p: _Pass) -> None:
+        raise TypeError(f"the engine cannot carry out {intent!r}")
+
+    @_carry_out.register
+    def _materialise_intent(self, intent: Materialise, p: _Pass) -> None:
+        assert p.spec is not None
+        p.candidate, p.duplicate = self._materialise(p.name, p.spec)
+        if not p.candidate.refusal and p.spec_doc is not None:
+            self._keep_checked_spec(p.obs.key, p.spec_doc)
+            if p.st.get("phase") == PENDING and not p.duplicate:
+                p.near = tuple(near_duplicates(self.repo, self.ledger.rows(), p.spec.diff,
+                                               p.name, self._changes))
+
+    @_carry_out.register
+    def _acquire_slot(self, intent: AcquireSlot, p: _Pass) -> None:
+        p.slot = self.book.grant(p.name, intent.priority,
+                                 p.obs.created or p.st.get("createdAt") or p.now,
+                                 confirm=intent.confirm) if p.schedule else None
+        p.waiting = p.slot is None
+
+    @_carry_out.register
+    def _claim_test_intent(self, intent: ClaimTest, p: _Pass) -> None:
+        self._claim_into_status(p)
+
+    @_carry_out.register
+    def _submit(self, intent: Submit, p: _Pass) -> None:
+        p.slot = None  # used once
+        if intent.claim:
+            self._claim_into_status(p)
+        p.run = self.backend(intent.backend).submit(self._request(p.obs, p.spec, intent, p.st))
+        self._tell(p.name, p.untold)
+
+    def _claim_into_status(self, p: _Pass) -> None:
+        k, level = self._claim_test(p.name, p.st.get("parentHash") or "")
+        if p.st.get("tries") != k or p.st.get("level") != level:
+            # another pass claimed the count meanwhile
+            p.st = {**p.st, "tries": k, "level": level}
+            p.written = self._store(p.name, p.st, p.written)
+
+    @_carry_out.register
+    def _set_place(self, intent: SetPlace, p: _Pass) -> None:
+        with self.lock:
+            self.master.set_place(intent.master, int(intent.place), intent.val_bpb)
+
+    @_carry_out.register
+    def _cleanup_run(self, intent: CleanupRun, p: _Pass) -> None:
+        self.backend(intent.backend).cleanup(intent.run)
+
+    @_carry_out.register
+    def _cancel(self, intent: Cancel, p: _Pass) -> None:
+        p.run = self.backend(intent.backend).cancel(intent.run)
+
+    @_carry_out.register
+    def _promote(self, intent: Promote, p: _Pass) -> None:
+        st, name = p.st, p.name
+        with self.lock:
+            p.promotion = self.master.promote(Promotion(
+                name=name, commit=st["commit"], source=self.repo.candidate_source(name),
+                val_bpb=intent.val_bpb, hashes=(st["candidateHash"], st["semanticHash"]),
+                parent=st.get("parentHash", ""), now=utcnow(), margin=intent.margin,
+                against=intent.against, places=intent.places))
+        if not p.promotion.promoted:
+            return
+        self._discovered(name)
+        self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
+            "evaluate_seconds"), st.get("run") or name)
+        self.events.lab(Event("Normal", "Promoted",
+                              f"{name} is the new master: val_bpb {intent.val_bpb:.6f} (was "
+                              f"{p.promotion.master_val_bpb})."))
+        self.events.lab_changed()
+
+    @_carry_out.register
+    def _record_intent(self, intent: Record, p: _Pass) -> None:
+        self._record(dict(intent.row), p.spec_doc, p.st)
+
+    @_carry_out.register
+    def _cleanup(self, intent: Cleanup, p: _Pass) -> None:
+        with self.lock:
+            # Branches of experiments that ran stay: they are the experiment DAG.
+            self.repo.cleanup(p.name, keep_branch=bool(p.st.get("job") or p.st.get("run")))
+        if p.st.get("job"):
+            self.backend(p.st["job"]["backend"]).cleanup(p.st["job"]["name"])
 
     def _store(self, name: str, status: dict, written: dict) -> dict:
         """Write `status` over `written` (the status as stored); tell the lab of a new phase."""
@@ -644,17 +729,14 @@ class Engine:
         spec, _, spec_error = self.spec_of(obs) if obs is not None else (None, None, None)
         if obs is None or spec is None or obs.deleting:
             return
-        st = obs.status
-        w = World(name=nxt, spec=spec, lab=self._world_lab(), master=self.master.master(), now=utcnow(),
-                  status=st, spec_error=spec_error, generation=obs.generation, deleting=False, slot=slot,
-                  recorded=self.ledger.has_run(st.get("run") or run_name(nxt)),
-                  worktree=self._leftovers(nxt, st), **self._test_of(nxt, st, slot))
+        w = self.world(nxt, spec, obs.status, slot=slot, spec_error=spec_error,
+                       generation=obs.generation)
         decision = reconcile(w)
-        submit = next((i for i in decision.intents if i.kind == "submit"), None)
-        if submit is None or "materialise" in decision.kinds() \
-                or self.backend(submit.args["backend"]) is not backend:
+        submit = next((i for i in decision.intents if isinstance(i, Submit)), None)
+        if submit is None or any(isinstance(i, Materialise) for i in decision.intents) \
+                or self.backend(submit.backend) is not backend:
             return
-        start_next(self._request(obs, spec, submit.args, decision.status))
+        start_next(self._request(obs, spec, submit, decision.status))
 
     def _world_lab(self) -> LabSpec:
         if self.lab.backend != self.default_backend:
@@ -669,20 +751,20 @@ class Engine:
             return False
         return self.backend(view.job.backend).leftovers(view.job.name)
 
-    def _request(self, obs: Observed, spec: ExperimentSpec | None, a: dict,
+    def _request(self, obs: Observed, spec: ExperimentSpec | None, submit: Submit,
                  st: dict) -> RunRequest:
         assert spec is not None
         limit = None
-        if a.get("program") == "master":  # a pair run of the master it was built on
+        if submit.program == "master":  # a pair run of the master it was built on
             source = self.repo.source_of(self.repo.resolve_parent(st["parentHash"])["commit"])
         else:
             source = self.repo.candidate_source(obs.name)
             limit = self.eval_limit()
-        return RunRequest(run=a["run"], experiment=obs.name, campaign=spec.campaign,
+        return RunRequest(run=submit.run, experiment=obs.name, campaign=spec.campaign,
                           candidate_source=source,
-                          slot=a.get("slot"), profile=self.lab.profile, data=self.lab.data,
+                          slot=submit.slot, profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=spec.gpus,
-                          overrides=spec.hf, owner=obs.owner, seed=self._seed_of(a),
+                          overrides=spec.hf, owner=obs.owner, seed=self._seed_of(submit),
                           eval_limit=limit)
 
     # -- how long a candidate's evaluation may take ----------------------------------------------
@@ -768,43 +850,55 @@ class Engine:
             slot = self.book.hold(name)
         intents = reconcile_baseline(m, obs, slot, self.ledger.has_run(name))
         state = BaselineState(name, "running" if obs.state in ("queued", "running") else "waiting")
-        if obs.state == "missing" and "submit" not in [i.kind for i in intents]:
+        if obs.state == "missing" and not any(isinstance(i, Submit) for i in intents):
             self.book.release(name)
         for intent in intents:
-            a = intent.args
-            if intent.kind == "submit":  # told first: once submitted, nothing asks again
-                self.events.lab(Event("Normal", "BaselineSubmitted",
-                                      f"The master {m.hash[:12]} has no val_bpb yet; run {name} "
-                                      "measures it first."))
-                backend.submit(self._baseline_request(m, name, a["slot"], self._place_seed(1)))
-                state.state = "running"
-            elif intent.kind == "record":
-                self._record(dict(a["row"], backend=self.default_backend), None, None)
-            elif intent.kind == "set-master-metric":
-                self.events.lab(Event("Normal", "BaselineMeasured",
-                                      f"The master {m.hash[:12]} measures val_bpb "
-                                      f"{a['val_bpb']:.6f}; experiments may run."))
-                with self.lock:
-                    self.master.set_metric(m, a["val_bpb"], {1: a["val_bpb"]})
-                self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name)
-                backend.cleanup(name)
-                self.book.release(name)
-                state = BaselineState(name, "measured")
-                self.events.lab_changed()
-            elif intent.kind == "resubmit-baseline":
-                self.baseline_failures[m.hash] = failures + 1
-                left = BASELINE_ATTEMPTS - failures - 1
-                backend.cleanup(name)
-                self.book.release(name)
-                why = a.get("reason") or "no reason given"
-                state = BaselineState(name, "failed" if left <= 0 else "waiting",
-                                      f"the baseline run {name} failed: {why}")
-                self.events.lab(Event(
-                    "Warning", "BaselineFailed", f"The baseline run {name} failed: {why}; " + (
-                        f"trying again ({left} attempts left)." if left > 0 else
-                        "no attempts left: fix the cause (see the ledger and the run's log), "
-                        "then start the controller again.")))
-                self.events.lab_changed()
+            match intent:
+                case Submit():  # told first: once submitted, nothing asks again
+                    self.events.lab(Event("Normal", "BaselineSubmitted",
+                                          f"The master {m.hash[:12]} has no val_bpb yet; run "
+                                          f"{name} measures it first."))
+                    backend.submit(self._baseline_request(m, name, intent.slot,
+                                                          self._place_seed(1)))
+                    state.state = "running"
+                case Record():
+                    self._record(dict(intent.row, backend=self.default_backend), None, None)
+                case SetMasterMetric():
+                    state = self._baseline_measured(m, intent, obs, backend)
+                case ResubmitBaseline():
+                    state = self._baseline_failed(m, intent, failures, backend)
+        return state
+
+    def _baseline_measured(self, m: Master, intent: SetMasterMetric, obs: RunObservation,
+                           backend: Backend) -> BaselineState:
+        name = intent.run
+        self.events.lab(Event("Normal", "BaselineMeasured",
+                              f"The master {m.hash[:12]} measures val_bpb "
+                              f"{intent.val_bpb:.6f}; experiments may run."))
+        with self.lock:
+            self.master.set_metric(m, intent.val_bpb, {1: intent.val_bpb})
+        self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name)
+        backend.cleanup(name)
+        self.book.release(name)
+        self.events.lab_changed()
+        return BaselineState(name, "measured")
+
+    def _baseline_failed(self, m: Master, intent: ResubmitBaseline, failures: int,
+                         backend: Backend) -> BaselineState:
+        name = intent.run
+        self.baseline_failures[m.hash] = failures + 1
+        left = BASELINE_ATTEMPTS - failures - 1
+        backend.cleanup(name)
+        self.book.release(name)
+        why = intent.reason or "no reason given"
+        state = BaselineState(name, "failed" if left <= 0 else "waiting",
+                              f"the baseline run {name} failed: {why}")
+        self.events.lab(Event(
+            "Warning", "BaselineFailed", f"The baseline run {name} failed: {why}; " + (
+                f"trying again ({left} attempts left)." if left > 0 else
+                "no attempts left: fix the cause (see the ledger and the run's log), "
+                "then start the controller again.")))
+        self.events.lab_changed()
         return state
 
     def _baseline_request(self, m: Master, name: str, slot: str | None,
@@ -819,12 +913,10 @@ class Engine:
     def _place_seed(self, place: int) -> int:
         return place_seed(self._noise_key(), place)
 
-    def _seed_of(self, a: dict) -> int:
-        """The harness seed of a submit: its place's (a status of an older controller may name
-        a seed of its own instead)."""
-        if a.get("place"):
-            return self._place_seed(int(a["place"]))
-        return int(a.get("seed") or 0)
+    def _seed_of(self, submit: Submit) -> int:
+        """The harness seed of a submit: its place's (none where a status of an older
+        controller names no place)."""
+        return self._place_seed(int(submit.place)) if submit.place else 0
 
     def _tests_file(self, master_hash: str):
         return self.paths.state / "tests" / f"{master_hash}.json"

@@ -47,8 +47,9 @@ from filelock import FileLock
 from controller.backends import BackendConfigError
 from controller.backends.local import LocalBackend, visible_slots
 from controller.core.failures import RECONCILE_ERROR, failure_message
-from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
-                                       Event, Master, PromotionResult)
+from controller.core.intents import Decision, Event, Promotion
+from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Master,
+                                       PromotionResult)
 from controller.core.slots import SlotBook, instant
 from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
@@ -214,12 +215,10 @@ class LocalMaster:
     def before_checks(self, asked_at: float | None = None) -> None:
         pass  # the lab repo is the master of record here
 
-    def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None,
-                places: dict | None = None) -> PromotionResult:
-        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin, against,
-                                     places)
+    def promote(self, promotion: Promotion) -> PromotionResult:
+        p = promotion
+        return self.lab.repo.promote(p.name, p.commit, p.val_bpb, p.hashes, p.parent, p.now,
+                                     p.margin, p.against, p.places)
 
     def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
         if self.lab.repo.master().hash == master.hash:

@@ -77,8 +77,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from controller.core.failures import RECONCILE_ERROR, failure_message, with_failure
 from controller.core.patch import merge_patch
-from controller.core.reconcile import (BASELINE_ATTEMPTS, TERMINAL, Decision, Event, Master,
-                                       PromotionResult)
+from controller.core.intents import Decision, Event, Promotion
+from controller.core.reconcile import BASELINE_ATTEMPTS, TERMINAL, Master, PromotionResult
 from controller.core.spec import API_VERSION, GROUP, VERSION, LabSpec, SpecError, validate_document
 from controller.engine import Engine, Observed
 from controller.lab.clock import utcnow
@@ -248,12 +248,10 @@ class ClusterMaster:
             return
         self.rt.sync()
 
-    def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None,
-                places: dict | None = None) -> PromotionResult:
-        result = self.rt.store.promote(name, source, commit, val_bpb, parent, margin, now,
-                                       against, places)
+    def promote(self, promotion: Promotion) -> PromotionResult:
+        p = promotion
+        result = self.rt.store.promote(p.name, p.source, p.commit, p.val_bpb, p.parent, p.margin,
+                                       p.now, p.against, p.places)
         self.rt.sync()
         return result
 

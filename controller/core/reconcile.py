@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.core import figures
+from controller.core.intents import (AcquireSlot, Cancel, ClaimTest, Cleanup, CleanupRun,
+                                     Decision, Event, Intent, Materialise, Promote, Record,
+                                     ResubmitBaseline, SetMasterMetric, SetPlace, Submit)
 from controller.core.noise import (MAX_ATTEMPTS, Step, decide, hard_cap, mean, one_pair,
                                    test_alpha)
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -176,40 +179,7 @@ class World:
     entropy: int = field(default_factory=lambda: secrets.randbits(64))
 
 
-# --- what reconcile asks for -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Intent:
-    """One idempotent effect for the front end to carry out.
-
-    kinds: materialise, acquire-slot(priority, confirm), submit(run, slot, backend,
-    program, place), cancel(run), promote(run, val_bpb, places), set-place(master, place,
-    val_bpb): the master's value at a place, measured by this experiment's run; record(row),
-    cleanup, cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
-    """
-
-    kind: str
-    args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Decision:
-    status: dict
-    intents: list[Intent] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    # The object may go: it is terminal, recorded and cleaned up (finalizers may be removed).
-    finalized: bool = False
-
-    def kinds(self) -> list[str]:
-        return [i.kind for i in self.intents]
-
+# What reconcile asks for (the intents), the Decision and its Events: controller/core/intents.py.
 
 def run_name(name: str, attempt: int = 1) -> str:
     return f"exp-{name}-{attempt}"
@@ -330,7 +300,7 @@ def reconcile(w: World) -> Decision:
 def _reconcile_pending(s: _Step) -> Decision:
     w, st = s.w, s.st
     if w.candidate is None:
-        s.intents.append(Intent("materialise"))
+        s.intents.append(Materialise())
         return s.decision()
     c = w.candidate
     if c.refusal:
@@ -456,8 +426,8 @@ def _reconcile_active(s: _Step) -> Decision:
                         "at a time." if p else "All slots are busy.")
             # The front end's slot book answers: a slot (pass it in `World.slot`) or not yet.
             # Its place in the queue is the book's (core/slots.py: priority, then creation).
-            s.intents.append(Intent("acquire-slot", {
-                "priority": w.spec.priority if w.spec else 0, "confirm": bool(p)}))
+            s.intents.append(AcquireSlot(
+                priority=w.spec.priority if w.spec else 0, confirm=bool(p)))
             return s.decision()
         if nxt["place"] == 1 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)
@@ -482,9 +452,8 @@ def _reconcile_active(s: _Step) -> Decision:
                     f"Run {nxt['name']}{what} submitted to {backend} on slot {w.slot}.")
         s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {nxt['name']}{what} on {backend}, "
                                                           f"slot {w.slot}."))
-        s.intents.append(Intent("submit", {"run": nxt["name"], "slot": w.slot,
-                                           "backend": backend, "program": nxt["program"],
-                                           "place": nxt["place"], "claim": claim}))
+        s.intents.append(Submit(run=nxt["name"], slot=w.slot, backend=backend,
+                                  program=nxt["program"], place=nxt["place"], claim=claim))
         return s.decision()
     run = w.run
     if run is not None and run.state == "missing" and job.get("id"):
@@ -496,10 +465,9 @@ def _reconcile_active(s: _Step) -> Decision:
     if run is None or run.state == "missing":
         # Submitted but not visible (a crash before the backend saw it, or a lagging cache):
         # submitting again adopts the run if it exists, creates it if it does not.
-        s.intents.append(Intent("submit", {"run": job["name"], "slot": job.get("slot"),
-                                           "backend": job["backend"],
-                                           "program": job.get("program", "candidate"),
-                                           "place": job.get("place", 1)}))
+        s.intents.append(Submit(run=job["name"], slot=job.get("slot"), backend=job["backend"],
+                                  program=job.get("program", "candidate"),
+                                  place=job.get("place", 1)))
         return s.decision()
     if run.job_id:
         job["id"] = run.job_id
@@ -529,7 +497,7 @@ def _rebase(s: _Step) -> Decision | None:
     w, st = s.w, s.st
     c = w.candidate
     if c is None or (not c.refusal and c.parent_hash != w.master.hash):
-        s.intents.append(Intent("materialise"))
+        s.intents.append(Materialise())
         return None
     if c.refusal:
         s.phase(c.refusal, c.reason, f"Rebased onto master {w.master.hash[:12]} before its "
@@ -607,15 +575,14 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     if not ok and run.state == "error":  # a fault that running again cannot mend
         why = (run.result or {}).get("reason") or run.message or run.state
         code = (run.result or {}).get("reason_code") or Reason.INFRASTRUCTURE_ERROR
-        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
-                                                          status="error")}))
+        s.intents.append(Record(pair_row(w.name, w.spec, st, job, run, None, status="error")))
         s.phase(FAILED, code, f"pair run {job['name']} ({program}, place {job.get('place')}) "
                               f"could not run: {why}. Nothing is held against the candidate: fix "
                               "the machine, then apply it again under a new name; it continues "
                               "from its pairs.", warning=True)
         return _settle_terminal(s)
     row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
-    s.intents.append(Intent("record", {"row": row}))
+    s.intents.append(Record(row))
     if not ok:
         why = (run.result or {}).get("reason") or run.message or run.state
         msg = (f"pair run {job['name']} (the candidate, place {job.get('place')}) failed "
@@ -627,8 +594,8 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
         return _settle_terminal(s)
     p[program].append(val)
     if program == "master":
-        s.intents.append(Intent("set-place", {"master": st.get("parentHash", ""),
-                                              "place": job.get("place"), "val_bpb": val}))
+        s.intents.append(SetPlace(master=st.get("parentHash", ""), place=job.get("place"),
+                                     val_bpb=val))
     return _judge(s)
 
 
@@ -651,8 +618,7 @@ def _lost(s: _Step, run: RunObservation) -> Decision:
     what = f"run {job['name']} ({program}, place {place})"
     final = tries > LOST_RETRIES
     if not (final and not st.get("pairs")):  # a first run's last try is the experiment's row
-        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
-                                                          status="lost")}))
+        s.intents.append(Record(pair_row(w.name, w.spec, st, job, run, None, status="lost")))
     if final:
         n = len((st.get("pairs") or {}).get("candidate") or [])
         msg = (f"{what} was lost {tries} times ({why}): no verdict, and nothing is held against "
@@ -730,7 +696,7 @@ def _continue(s: _Step) -> Decision:
     s.events.append(Event("Normal", Reason.CONTINUED, msg))
     s.condition(Condition.CHECKED, True, Reason.CONTINUED, msg)
     if claim:
-        s.intents.append(Intent("claim-test", {}))
+        s.intents.append(ClaimTest())
     return _judge(s)
 
 
@@ -777,7 +743,7 @@ def _next_run(s: _Step) -> None:
     backend objects go and the next run may be submitted."""
     job = s.st.get("job")
     if job:
-        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(CleanupRun(run=job["name"], backend=job["backend"]))
     s.st["job"] = None
 
 
@@ -803,9 +769,9 @@ def _decide(s: _Step) -> Decision:
             return _follow_up(s, "its pairs showed a gain")
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                     "Comparing against the master under its lock.")
-        s.intents.append(Intent("promote", {
-            "run": st.get("run"), "val_bpb": val, "margin": float("-inf"),
-            "places": {str(i + 1): c for i, c in enumerate(p["candidate"])}}))
+        s.intents.append(Promote(
+            run=st.get("run"), val_bpb=val, margin=float("-inf"),
+            places={str(i + 1): c for i, c in enumerate(p["candidate"])}))
         return s.decision()
     if w.promotion is not None and not w.promotion.promoted \
             and w.promotion.reason == Reason.MASTER_MOVED:
@@ -902,9 +868,9 @@ def _follow_up(s: _Step, why: str) -> Decision:
         row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
                                           "reason": Reason.FOLLOW_UP, "message": msg})
         if not w.recorded:
-            s.intents.append(Intent("record", {"row": row}))
+            s.intents.append(Record(row))
     if job:
-        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(CleanupRun(run=job["name"], backend=job["backend"]))
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val,
                                           "pairs": len(p.get("candidate") or [])})
     for k in ("job", "metrics", figures.STATUS_FIELD, "delta", "masterValBpb", "parentValBpb",
@@ -923,7 +889,7 @@ def _reconcile_deleting(s: _Step) -> Decision:
         return _settle_terminal(s, deleting=True)
     job = st.get("job")
     if job and w.run is not None and w.run.state in ("queued", "running"):
-        s.intents.append(Intent("cancel", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(Cancel(run=job["name"], backend=job["backend"]))
         return s.decision()
     if job and w.run is not None and w.run.state in ("succeeded", "failed", "error", "lost"):
         # It finished before the cancel landed: the result is real, record it.
@@ -938,9 +904,9 @@ def _reconcile_deleting(s: _Step) -> Decision:
 def _settle_terminal(s: _Step, deleting: bool = False) -> Decision:
     w = s.w
     if not w.recorded:
-        s.intents.append(Intent("record", {"row": ledger_row(w.name, w.spec, s.st)}))
+        s.intents.append(Record(ledger_row(w.name, w.spec, s.st)))
     if w.worktree:
-        s.intents.append(Intent("cleanup"))
+        s.intents.append(Cleanup())
     done = w.recorded and not w.worktree
     return s.decision(finalized=done and deleting)
 
@@ -1119,14 +1085,14 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
         return []
     name = run.name
     if run.state == "missing":
-        return [Intent("submit", {"run": name, "slot": slot})] if slot is not None else []
+        return [Submit(run=name, slot=slot)] if slot is not None else []
     if run.state in ("queued", "running"):
         return []
     row, val = master_run_row(master, run)
     ok = val is not None
-    out = [] if recorded else [Intent("record", {"row": row})]
+    out = [] if recorded else [Record(row)]
     if ok:
-        out.append(Intent("set-master-metric", {"val_bpb": val, "run": name}))
+        out.append(SetMasterMetric(val_bpb=val, run=name))
     else:
-        out.append(Intent("resubmit-baseline", {"run": name, "reason": row["comment"]}))
+        out.append(ResubmitBaseline(run=name, reason=row["comment"]))
     return out
