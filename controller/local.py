@@ -502,12 +502,6 @@ class LocalLab:
                            baseline_pending=self.repo.master().val_bpb is None,
                            slots=self.engine.slot_ids() or [])
 
-    def name_used(self, name: str) -> str | None:
-        """Where `name` was recorded before, if anywhere: names are permanent once the ledger
-        has a row of theirs (a finished, refused, imported or deleted experiment), as run ids
-        and experiment branches are named after them."""
-        return self.ledger.name_recorded(name)
-
     def apply_file(self, doc: dict, source: str) -> str:
         """Write a validated spec into experiments/; returns created, unchanged or configured
         (only metadata changed). A spec is immutable once applied, like the cluster's CRD rule
@@ -542,11 +536,9 @@ class LocalLab:
                 return "unchanged"
             atomic_write(target, _spec_yaml(doc))
             return "configured"
-        used = self.name_used(name)
-        if used:
-            raise SpecError(f"{source}: experiment name {name!r} was used before ({used}); names "
-                            f"are permanent once recorded: apply it under a new name, e.g. "
-                            f"{next_name(name)}")
+        refused = self.engine.name_refusal(name)
+        if refused:
+            raise SpecError(f"{source}: {refused}")
         atomic_write(target, _spec_yaml(doc))
         with self._lock(name):  # recorded now: Pending until the loop checks it
             self.statuses.read(name, created=self._creation_stamp())

@@ -1,86 +1,5 @@
-"""Kept as one file: the one `Engine` that carries out every decision for both front ends; its
-seams are the Protocols below.
-
-The engine: every decision about a lab's experiments, for both front ends.
-
-The pure core (`controller.core.reconcile`) says what an experiment's status
-should be and which effects move it there. The engine is the one place that
-observes the world for it and carries those effects out, for the local loop
-and the operator alike:
-
-    front end (a file changed, a kopf event, a timer)
-        -> Engine.reconcile(observed): the experiment as the front end read it
-             observe the rest: its run (a backend), the master
-                      (MasterOfRecord), the ledger, what its check left
-             -> reconcile(World) -> Decision(status, intents, events, finalized)
-             -> tell the events, write the status, carry out the intents:
-                materialise (checks, duplicate lookup), acquire-slot (the slot
-                book), submit / cancel (a backend), promote (compare-and-swap
-                on the master), record (one ledger row, then the research notes
-                and Trackio), cleanup
-             again until no intent is left
-        -> Engine.baseline(): measure a master nobody has measured
-
-What differs between the front ends sits behind three small seams, and only
-there: where an experiment and its status live (`StatusStore`: JSON files
-under `.autolab/status`, or the custom resource's status), where the master
-lives (`MasterOfRecord`: `research/live/master.json`, or the master
-ConfigMap), and how events are told (`EventSink`: a JSONL file per
-experiment, or Kubernetes Events).
-
-The policies, decided here once:
-
-- Baseline. A master with no val_bpb is measured before any experiment runs
-  (the core waits; no slot is handed out). Each attempt is its own run,
-  `baseline-<lab>-<hash>-<n>`, with its own ledger row; a failed attempt is
-  tried again, up to BASELINE_ATTEMPTS per engine (per controller start), then
-  the lab waits for a person: the local loop stops and says so, the operator
-  marks the Lab not Ready. The baseline asks for what a default experiment
-  asks (one GPU), so the master and its candidates are measured alike.
-- Measured. A run measured its candidate when its ledger row is `succeeded`,
-  `failed` or `baseline` (`controller.lab.ledger.MEASURED`); a repeat of a
-  measured candidate, of the master, or of a candidate in flight is a
-  Duplicate and spends no run.
-- The spec that runs is the spec that was checked: a copy is kept when the
-  checks pass (`.autolab/specs/<key>.json`) and used from then on; later edits
-  are reported (SpecChangeIgnored) and ignored.
-- Slots. One slot book per lab, filled from the statuses as written; the core
-  asks for a slot (`acquire-slot`) only when it would submit, and the book
-  answers by priority, then creation time (when the user applied it; the
-  front end's `Observed.created`), with a decision's pair runs one experiment
-  at a time and a first run never waiting behind more than
-  `slots.FIRST_RUN_EVERY` of them. Capacity is the backend's: the
-  machine's GPUs (local), `gpuSlots` jobs at once (Hugging Face; one when
-  unset), `gpuSlots` or the cluster's scheduler (Kubernetes).
-- Checks at once. A front end with a batch of new specs starts their checks
-  together on the check pool (`precheck`; the operator, whose handlers run
-  passes of many experiments at once, sends every check there); each pass
-  takes its result, then looks up duplicates and claims its candidate under
-  the engine's lock, in the front end's order, against the master it was
-  checked on (else it is checked again).
-- Cleanup. After the ledger row: the candidate's marker goes (the branch of
-  a run stays: it is the experiment DAG) and the backend's objects go
-  (`Backend.cleanup`); the status goes only when both are done.
-- Cumulative masters (the rules are the core's; the engine carries them out).
-  A queued candidate whose master moved is materialised again onto the
-  current master right before its submit (the slot it was granted is kept
-  meanwhile). A run that ends mid-life (a follow-up's first run, a pair
-  run) gets its own ledger row at once and its backend objects go
-  (`cleanup-run`). A pair run of the master runs the parent's source, and
-  its value is kept on the master (`set-place`) for every later candidate.
-- Places and tests. A run's harness seed is its place's, drawn from the
-  lab's secret (`.autolab/state/noise.key`, which no run can read;
-  `controller.core.noise.place_seed`): the core names places, never seeds.
-  Which test against a master an experiment's decision is (its level) is
-  counted here when its first run is submitted: the experiments that began
-  one against that master, kept in `.autolab/state/tests/<master>.json`.
-- Noise. `autolab noise` (`measure_noise`) runs the master at places 1..N
-  (kept on the master, so candidates reuse them) and once more at each (the
-  GPU's own run-to-run noise), and writes `research/live/noise.json` for that
-  master: the spread across seeds, the spread of paired differences and the
-  smallest gain the lab detects. No decision reads it: a decision's spread
-  is its own pairs'.
-"""
+"""The Engine: observe -> reconcile() -> carry out, for one lab (the policies it carries out
+are written once, in `controller/engine/__init__.py`)."""
 
 from __future__ import annotations
 
@@ -88,18 +7,15 @@ import contextlib
 import dataclasses
 import functools
 import json
-import secrets
 import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from controller.backends import Backend, RunRequest
 from controller.core.evaluation import evaluation_limit
-from controller.core.noise import (ALPHA, detectable_gain, lord_level, mean, place_seed,
-                                   spread)
 from controller.core.failures import (RECONCILE_ERROR, failing, failure_message, with_failure,
                                       with_recovery)
 from controller.core.intents import (AcquireSlot, Cancel, ClaimTest, Cleanup, CleanupRun,
@@ -107,96 +23,23 @@ from controller.core.intents import (AcquireSlot, Cancel, ClaimTest, Cleanup, Cl
                                      ResubmitBaseline, SetMasterMetric, SetPlace, Submit)
 from controller.core.reconcile import (BASELINE_ATTEMPTS, Candidate, Master, PromotionResult,
                                        RunObservation, World, baseline_run_name, carried_values,
-                                       master_run_row, noise_run_name, reconcile,
-                                       reconcile_baseline, run_name)
+                                       reconcile, reconcile_baseline, run_name)
 from controller.core.slots import UNLIMITED, SlotBook
 from controller.core.status import PENDING, ExperimentStatus
 from controller.core.spec import ExperimentSpec, LabSpec, next_name
 from controller.lab.clock import utcnow
+from controller.engine.campaign import Campaign
+from controller.engine.seams import (DEFAULT_HOOKS, EventSink, Hook, MasterOfRecord, Observed,
+                                     StatusStore)
 from controller.lab.ledger import Ledger
-from controller.lab.memory import near_duplicates, remember_quietly
+from controller.lab.memory import near_duplicates
 from controller.lab.paths import LabPaths
 from controller.lab.profiles import ProfileError, lab_profile
 from controller.lab.repo import (CheckPool, LabRepo, atomic_write, recorded_duplicate,
                                  shared_check_pool)
-from controller.lab.tracking import track_quietly
 
 MAX_STEPS = 10  # reconcile rounds in one pass; a pass normally settles in two or three
 BASELINE_GPUS = 1  # what a default experiment asks (ExperimentSpec.gpus)
-
-
-# --- the seams ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Observed:
-    """One experiment as its front end stores it."""
-
-    name: str
-    key: str                  # names the kept copy of its checked spec (a name, or a uid)
-    spec: dict | None         # the spec as it is now (None: it is gone)
-    status: dict
-    generation: int = 1
-    deleting: bool = False
-    spec_error: str | None = None  # the front end's own refusal of the spec (schema, backend)
-    owner: dict | None = None      # in a cluster: the ownerReference of what its run creates
-    created: str = ""              # when the user applied it: its place in the queue (slots.py)
-
-
-class StatusStore(Protocol):
-    """Where experiments and their statuses live.
-
-    The front end reads an experiment and hands it to `Engine.reconcile`; the engine reads
-    through `read` only what its pass was not handed: another experiment (the one started up
-    next to a run), or the status again after a pass that failed.
-    """
-
-    def read(self, name: str) -> Observed | None: ...
-
-    def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
-        """Store `status` whole. `previous` is the status it replaces, where the engine knows it
-        (a store that writes by merge patch removes the keys `status` no longer has)."""
-
-    def finalized(self, name: str) -> None:
-        """The experiment is recorded and cleaned up and was deleted: let it go."""
-
-
-class MasterOfRecord(Protocol):
-    """Where the master lives."""
-
-    def master(self) -> Master: ...
-
-    def source(self) -> str: ...
-
-    def before_checks(self, asked_at: float | None = None) -> None:
-        """Bring the lab repo's master in step before a candidate is checked against it.
-
-        Called under the engine's lock. `asked_at` (time.monotonic()) is when the check asked:
-        a bringing in step begun since then (under the same lock) is as fresh as a new one.
-        """
-
-    def promote(self, promotion: Promotion) -> PromotionResult:
-        """Compare-and-swap the candidate in as the master (see `Promotion`)."""
-
-    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
-        """The baseline of `master`: its val_bpb, and its value at the places it ran."""
-
-    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
-        """Keep the master's value at `place` if `master_hash` is still the master and the
-        place has none yet."""
-
-
-class EventSink(Protocol):
-    def experiment(self, name: str, event: Event) -> None: ...
-
-    def lab(self, event: Event) -> None: ...
-
-    def lab_changed(self) -> None:
-        """A phase or the master changed (the operator mirrors it onto the Lab's status)."""
-
-
-# After a ledger row is written: (paths, lab name, surface, row, checked spec, status).
-Hook = Callable[[LabPaths, str, str, dict, "dict | None", "dict | None"], None]
-DEFAULT_HOOKS: tuple[Hook, ...] = (remember_quietly, track_quietly)
 
 
 def capacity(backend: str, lab: LabSpec, visible: Callable[[int], list[str]]) -> list[str] | None:
@@ -284,12 +127,14 @@ class Engine:
     _prechecks: dict[str, tuple[ExperimentSpec, Future]] = field(init=False)
     _started_next: dict[str, tuple[str, str]] = field(init=False)
     _profile_eval_limits: dict[str, float | None] = field(init=False)
+    campaign: Campaign = field(init=False)
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
         self.ledger = Ledger(self.paths.ledger)
         self.book = SlotBook(self.slot_ids())
         self.lock = threading.RLock()
+        self.campaign = Campaign(self.paths, self.lock)
         self.baseline_failures = {}
         self._changes = {}  # experiment -> the constants it changed (near-duplicate lookups)
         self._prechecks = {}  # experiment -> (the spec, its check started by precheck())
@@ -529,12 +374,33 @@ class Engine:
         program's val_bpb; its own rows never written (the run ids are recorded). A spec file
         written by hand, an Experiment deleted and made again: both come through here.
         """
-        used = self.ledger.name_recorded(name)
+        first = run_name(name)
+        used = self.ledger.name_recorded(name) or (
+            f"ledger run {first}" if self.ledger.has_run(first) else None)
         if not used:
             return None
         return (f"experiment name {name!r} was used before ({used}); names are permanent once "
                 f"recorded (runs, branches and ledger rows are named after them): apply it "
                 f"under a new name, e.g. {next_name(name)}")
+
+    def dry_run(self, name: str, spec: ExperimentSpec | None, spec_error: str | None = None,
+                scratch: str | None = None) -> dict:
+        """The status an experiment's first pass would write, nothing kept (`autolab validate`).
+
+        The checks run on a candidate made under `scratch` (a name no experiment can have),
+        removed after whatever happens; then the duplicate lookup. A candidate that passes is
+        claimed in flight, so a batch that repeats itself is caught as the controller would
+        catch it.
+        """
+        candidate = duplicate = None
+        if spec is not None and spec_error is None and scratch is not None:
+            try:
+                candidate = self.repo.materialise(scratch, spec)
+                duplicate = self.duplicate_of(name, candidate)
+            finally:
+                self.repo.cleanup(scratch, keep_branch=False)
+        return reconcile(self.world(name, spec, {}, observe=False, spec_error=spec_error,
+                                    candidate=candidate, duplicate_of=duplicate)).status
 
     def _pass(self, obs: Observed, deleting: bool, schedule: bool = True) -> Decision:
         p = self._begin(obs, deleting, schedule)
@@ -643,7 +509,7 @@ class Engine:
         self._tell(p.name, p.untold)
 
     def _claim_into_status(self, p: _Pass) -> None:
-        k, level = self._claim_test(p.name, p.st.get("parentHash") or "")
+        k, level = self.campaign.claim(p.name, p.st.get("parentHash") or "")
         if p.st.get("tries") != k or p.st.get("level") != level:
             # another pass claimed the count meanwhile
             p.st = {**p.st, "tries": k, "level": level}
@@ -673,7 +539,7 @@ class Engine:
                 against=intent.against, places=intent.places))
         if not p.promotion.promoted:
             return
-        self._discovered(name)
+        self.campaign.discovered(name)
         self._keep_evaluation(st["candidateHash"], (st.get("metrics") or {}).get(
             "evaluate_seconds"), st.get("run") or name)
         self.events.lab(Event("Normal", "Promoted",
@@ -683,7 +549,7 @@ class Engine:
 
     @_carry_out.register
     def _record_intent(self, intent: Record, p: _Pass) -> None:
-        self._record(dict(intent.row), p.spec_doc, p.st)
+        self.record_row(dict(intent.row), p.spec_doc, p.st)
 
     @_carry_out.register
     def _cleanup(self, intent: Cleanup, p: _Pass) -> None:
@@ -802,7 +668,7 @@ class Engine:
             {"master": master_hash, "evaluateSeconds": seconds, "run": run,
              "profile": self.lab.profile, "measuredAt": utcnow()}, indent=2) + "\n")
 
-    def _record(self, row: dict, spec: dict | None, status: dict | None) -> bool:
+    def record_row(self, row: dict, spec: dict | None, status: dict | None) -> bool:
         """Append one ledger row (once per run id), then the after-record hooks."""
         row["created_at"] = utcnow()
         if not self.ledger.append(row):
@@ -858,11 +724,11 @@ class Engine:
                     self.events.lab(Event("Normal", "BaselineSubmitted",
                                           f"The master {m.hash[:12]} has no val_bpb yet; run "
                                           f"{name} measures it first."))
-                    backend.submit(self._baseline_request(m, name, intent.slot,
-                                                          self._place_seed(1)))
+                    backend.submit(self.master_request(m, name, intent.slot,
+                                                          self.campaign.place_seed(1)))
                     state.state = "running"
                 case Record():
-                    self._record(dict(intent.row, backend=self.default_backend), None, None)
+                    self.record_row(dict(intent.row, backend=self.default_backend), None, None)
                 case SetMasterMetric():
                     state = self._baseline_measured(m, intent, obs, backend)
                 case ResubmitBaseline():
@@ -901,7 +767,7 @@ class Engine:
         self.events.lab_changed()
         return state
 
-    def _baseline_request(self, m: Master, name: str, slot: str | None,
+    def master_request(self, m: Master, name: str, slot: str | None,
                           seed: int = 0) -> RunRequest:
         return RunRequest(run=name, experiment="baseline", campaign="",
                           candidate_source=self.master.source(), slot=slot,
@@ -909,52 +775,11 @@ class Engine:
                           budget_seconds=self.lab.budget_seconds, gpus=BASELINE_GPUS,
                           owner=self.lab_owner, seed=seed)
 
-    # -- places, tests and the lab's noise -------------------------------------------------------
-    def _place_seed(self, place: int) -> int:
-        return place_seed(self._noise_key(), place)
-
+    # -- tests and the lab's noise --------------------------------------------------------------
     def _seed_of(self, submit: Submit) -> int:
         """The harness seed of a submit: its place's (none where a status of an older
         controller names no place)."""
-        return self._place_seed(int(submit.place)) if submit.place else 0
-
-    def _tests_file(self, master_hash: str):
-        return self.paths.state / "tests" / f"{master_hash}.json"
-
-    def _tests(self, master_hash: str) -> list[str]:
-        try:
-            names = json.loads(self._tests_file(master_hash).read_text())
-        except (OSError, ValueError):
-            return []
-        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
-
-    def _campaign(self) -> dict:
-        """The lab's tests in the order they began, and the promoted ones among them (online
-        FDR control: `controller.core.noise.lord_level`), kept in `.autolab/state/tests.json`."""
-        try:
-            doc = json.loads((self.paths.state / "tests.json").read_text())
-        except (OSError, ValueError):
-            doc = {}
-        tests = doc.get("tests") if isinstance(doc, dict) else None
-        promoted = doc.get("promoted") if isinstance(doc, dict) else None
-        return {"tests": [n for n in tests or [] if isinstance(n, str)],
-                "promoted": [n for n in promoted or [] if isinstance(n, str)]}
-
-    def _level_of(self, name: str, doc: dict) -> float:
-        """The level of `name`'s test: LORD++ at its number in the campaign (the next number if
-        it has not begun), given the promotions of tests before it."""
-        tests = doc["tests"]
-        t = tests.index(name) + 1 if name in tests else len(tests) + 1
-        found = [tests.index(n) + 1 for n in doc["promoted"] if n in tests]
-        return round(lord_level(t, [d for d in found if d < t]), 8)
-
-    def _discovered(self, name: str) -> None:
-        """A promotion: the test of `name` earns level back for the tests after it."""
-        with self.lock:
-            doc = self._campaign()
-            if name not in doc["promoted"]:
-                doc["promoted"].append(name)
-                atomic_write(self.paths.state / "tests.json", json.dumps(doc) + "\n")
+        return self.campaign.place_seed(int(submit.place)) if submit.place else 0
 
     def _test_of(self, name: str, st: dict, slot: str | None) -> dict:
         """What the World says of an experiment's test: its number against its master, its
@@ -962,7 +787,7 @@ class Engine:
         ledger only once it holds a slot: when its decision is about to begin)."""
         level = st.get("level")
         if level is None:
-            level = self._level_of(name, self._campaign())
+            level = self.campaign.level(name)
         carried = None
         if slot is not None and not st.get("pairs") and not st.get("job") \
                 and st.get("candidateHash") and st.get("phase") in ("Queued", "Confirming"):
@@ -973,158 +798,11 @@ class Engine:
         return {"tries": self._tries(name, st), "level": level, "carried": carried}
 
     def _tries(self, name: str, st: dict) -> int:
-        """Which test against its master an experiment's decision is (its level): its place
-        among the experiments that began one against that master, or the next place."""
+        """Which test against its master an experiment's decision is (its level): as kept on
+        its status once it began, else as the campaign counts it."""
         if st.get("tries"):
             return int(st["tries"])
-        names = self._tests(st.get("parentHash") or self.master.master().hash)
-        return names.index(name) + 1 if name in names else len(names) + 1
-
-    def _claim_test(self, name: str, master_hash: str) -> tuple[int, float]:
-        """Count `name`'s decision (once) and say which test against `master_hash` it is and
-        its level.
-
-        Counted when its first run is submitted (or its carried pairs taken), whatever ends it:
-        a candidate that voids its unlucky runs (a harness error) and is applied again under a
-        new name is a new test each time, with the level the campaign has left then, so the
-        tests together keep the online FDR control's bound however many there are."""
-        with self.lock:
-            names = self._tests(master_hash)
-            if name not in names:
-                names.append(name)
-                atomic_write(self._tests_file(master_hash), json.dumps(names) + "\n")
-            doc = self._campaign()
-            if name not in doc["tests"]:
-                level = self._level_of(name, doc)
-                doc["tests"].append(name)
-                atomic_write(self.paths.state / "tests.json", json.dumps(doc) + "\n")
-            else:
-                level = self._level_of(name, doc)
-            return names.index(name) + 1, level
-
-    def noise_record(self) -> dict | None:
-        """What `autolab noise` measured, if it measured the current master at this profile and
-        budget (a record of another master says nothing of this one's spread)."""
-        try:
-            doc = json.loads(self.paths.noise_file.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(doc, dict) or doc.get("profile") != self.lab.profile \
-                or doc.get("budgetSeconds") != self.lab.budget_seconds \
-                or doc.get("master") != self.master.master().hash \
-                or not isinstance(doc.get("acrossSeeds"), (int, float)):
-            return None
-        return doc
-
-    def _noise_key(self) -> bytes:
-        """The lab's secret for the places' seeds (`place_seed`), kept in its state directory,
-        which no run can read; made once."""
-        path = self.paths.state / "noise.key"
-        try:
-            key = path.read_bytes()
-            if len(key) >= 16:
-                return key
-        except OSError:
-            pass
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_hex(32).encode()
-        atomic_write(path, key.decode())
-        return path.read_bytes()
-
-    def measure_noise(self, runs: int) -> BaselineState:
-        """One step of `autolab noise`: the master at places 1..`runs`, and once more at each.
-
-        The master's run at place i (`noise-<lab>-<hash>-p<i>`) is kept on the master: the
-        candidates that reach place i are compared with it and run nothing for it. The repeat
-        (`noise-<lab>-<hash>-r<i>`, the same program on the same seed) shows the GPU's own
-        run-to-run noise: the spread of a paired difference when nothing changed. A run that
-        failed is not replaced (its row says error; `autolab noise` says so and stops). Names
-        are deterministic, so a step after a restart adopts the runs in flight, and asking
-        again reads the ledger instead of running.
-        """
-        m = self.master.master()
-        if m.place(1) is None:
-            return BaselineState(None, "waiting", "the master's baseline comes first")
-        rows = {r.get("run_id"): r for r in self.ledger.rows()}
-        backend = self.backend(self.default_backend)
-        state = BaselineState(None, "waiting")
-        wanted = [(p, "p") for p in range(1, runs + 1) if m.places.get(p) is None] + \
-            [(p, "r") for p in range(1, runs + 1)]
-        for place, kind in wanted:
-            name = noise_run_name(self.lab_name, m, place, kind)
-            row = rows.get(name)
-            if row is not None:
-                if row.get("status") == "error":
-                    return BaselineState(name, "failed", f"noise run {name} failed: "
-                                         f"{row.get('comment') or 'see its log'}")
-                if kind == "p":  # recorded, but the master did not take it (a crash between)
-                    with self.lock:
-                        self.master.set_place(m.hash, place, float(row["val_bpb"]))
-                continue
-            obs = backend.observe(name)
-            if obs.state == "missing":
-                slot = self.book.hold(name)
-                if slot is None:
-                    continue  # every slot is busy: a later step submits it
-                backend.submit(self._baseline_request(m, name, slot, self._place_seed(place)))
-                state = BaselineState(name, "running")
-                continue
-            if obs.state in ("queued", "running"):
-                self.book.hold(name, getattr(backend, "slot_of", lambda _r: None)(name))
-                state = BaselineState(name, "running")
-                continue
-            row, val = master_run_row(m, obs)
-            if kind == "r" and row["status"] == "baseline":
-                row["status"] = "noise"
-            row.update(experiment_id="noise", backend=self.default_backend,
-                       hypothesis=f"The master at place {place}" + (
-                           ", again: the GPU's own noise." if kind == "r" else "."))
-            self._record(row, None, None)
-            if kind == "p" and val is not None:
-                with self.lock:
-                    self.master.set_place(m.hash, place, val)
-            backend.cleanup(name)
-            self.book.release(name)
-            state = BaselineState(name, "running")  # the next step reads its row
-        if state.state == "running":
-            return state
-        m = self.master.master()
-        rows = {r.get("run_id"): r for r in self.ledger.rows()}
-        places = [m.places.get(p) for p in range(1, runs + 1)]
-        repeats = [rows.get(noise_run_name(self.lab_name, m, p, "r"), {}).get("val_bpb")
-                   for p in range(1, runs + 1)]
-        if any(v is None for v in places) or any(v in (None, "") for v in repeats):
-            return state
-        return self._noise_measured(m, [float(v) for v in places], [float(v) for v in repeats])
-
-    def _noise_measured(self, m: Master, places: list[float], repeats: list[float]) -> BaselineState:
-        across = spread(places)
-        paired = spread([r - p for r, p in zip(repeats, places)])
-        if across is None or paired is None:
-            return BaselineState(None, "failed", "the noise needs at least two places")
-        cap = self.lab.pairs_cap
-        factor = detectable_gain(ALPHA, cap)
-        doc = {"master": m.hash, "experiment": m.experiment, "profile": self.lab.profile,
-               "budgetSeconds": self.lab.budget_seconds, "places": places, "repeats": repeats,
-               "acrossSeeds": round(across, 6), "paired": round(paired, 6),
-               "mean": round(mean(places), 6), "cap": cap,
-               "detectableSds": factor, "detectable": round(factor * paired, 6),
-               "measuredAt": utcnow()}
-        old = self.noise_record()
-        if old is None or old.get("places") != places or old.get("repeats") != repeats:
-            atomic_write(self.paths.noise_file, json.dumps(doc, indent=2) + "\n")
-            self.events.lab(Event("Normal", "NoiseMeasured", noise_summary(doc)))
-            self.events.lab_changed()
-        return BaselineState(None, "measured", noise_summary(doc))
-
-
-def noise_summary(doc: dict) -> str:
-    """One line of what `autolab noise` measured, and on which master."""
-    return (f"master {str(doc.get('master'))[:12]} ({doc.get('experiment') or 'seed'}): across "
-            f"{len(doc.get('places') or [])} seeds sd {doc.get('acrossSeeds')}, paired (the same "
-            f"seed twice) sd {doc.get('paired')}; the first test against it promotes a gain of "
-            f"{doc.get('detectable')} ({doc.get('detectableSds')} paired sds) 9 times in 10 "
-            f"within {doc.get('cap')} pairs")
+        return self.campaign.number(name, st.get("parentHash") or self.master.master().hash)
 
 
 def _evaluate_seconds(result: dict | None) -> object:
