@@ -6,7 +6,8 @@ Each pass reads them and hands every experiment to the engine
 the engine to one machine: statuses live beside the specs in
 `.autolab/status/<name>.json` (the spec file's digest, its generation and
 the status), replaced atomically; the master is `research/live/master.json`
-and the lab repo's `autolab/master` branch; events go to
+and the lab repo's `autolab/master` branch (the lab repo is the engine's master
+of record itself: no adapter here); events go to
 `.autolab/events/<name>.jsonl`. The user's files are never written.
 
 Removing a spec file (or `autolab delete NAME`) is the local `kubectl
@@ -47,9 +48,8 @@ from filelock import FileLock
 from controller.backends import BackendConfigError
 from controller.backends.local import LocalBackend, visible_slots
 from controller.core.failures import RECONCILE_ERROR, failure_message
-from controller.core.intents import Decision, Event, Promotion
-from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Master,
-                                       PromotionResult)
+from controller.core.intents import Decision, Event
+from controller.core.reconcile import ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate
 from controller.core.slots import SlotBook, instant
 from controller.core.spec import LabSpec, SpecError, next_name, trackable, validate_document
 from controller.core.status import CONFIRMING, RUNNING, ExperimentStatus
@@ -200,34 +200,6 @@ class LocalStatuses:
         self.lab.paths.status_file(name).unlink(missing_ok=True)
 
 
-class LocalMaster:
-    """MasterOfRecord: `research/live/master.json` and the `autolab/master` branch."""
-
-    def __init__(self, lab: "LocalLab"):
-        self.lab = lab
-
-    def master(self) -> Master:
-        return self.lab.repo.master()
-
-    def source(self) -> str:
-        return self.lab.repo.master_source()
-
-    def before_checks(self, asked_at: float | None = None) -> None:
-        pass  # the lab repo is the master of record here
-
-    def promote(self, promotion: Promotion) -> PromotionResult:
-        p = promotion
-        return self.lab.repo.promote(p.name, p.commit, p.val_bpb, p.hashes, p.parent, p.now,
-                                     p.margin, p.against, p.places)
-
-    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
-        if self.lab.repo.master().hash == master.hash:
-            self.lab.repo.set_master_metric(val_bpb, places)
-
-    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
-        self.lab.repo.set_place(master_hash, place, val_bpb)
-
-
 class LocalEvents:
     """EventSink: one JSONL file per experiment, and one for the lab."""
 
@@ -271,8 +243,7 @@ class LocalLab:
         self.state = self.paths.state
         self.statuses = LocalStatuses(self)
         self.engine = Engine(paths=self.paths, lab_name=self.name, lab=self.lab,
-                             statuses=self.statuses, master=LocalMaster(self),
-                             events=LocalEvents(self),
+                             statuses=self.statuses, events=LocalEvents(self),
                              backends={"local": LocalBackend(self.root)},
                              make_backend=self._make_backend, visible_slots=visible_slots)
         self.repo = self.engine.repo

@@ -108,11 +108,11 @@ class Engine:
     lab_name: str
     lab: LabSpec
     statuses: StatusStore
-    master: MasterOfRecord
     events: EventSink
     backends: dict[str, Backend]
     make_backend: Callable[[str], Backend]  # builds a backend the first time one is named
     visible_slots: Callable[[int], list[str]]
+    master: MasterOfRecord | None = None    # None: the lab repo is the master of record
     local_means: str = "local"              # in a cluster, "local" (the default) means its Jobs
     lab_owner: dict | None = None           # in a cluster: the Lab's ownerReference
     hooks: tuple[Hook, ...] = DEFAULT_HOOKS
@@ -131,6 +131,8 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.repo = LabRepo(self.paths.root, self.lab)
+        if self.master is None:
+            self.master = self.repo
         self.ledger = Ledger(self.paths.ledger)
         self.book = SlotBook(self.slot_ids())
         self.lock = threading.RLock()
@@ -249,14 +251,20 @@ class Engine:
             if candidate is not None:
                 asked_at = time.monotonic()
                 with self.lock:
-                    self.master.before_checks(asked_at)
+                    self._master_in_step(asked_at)
                     if against == self.repo.master().commit:
                         return candidate, self.duplicate_of(name, candidate)
         asked_at = time.monotonic()
         with self.lock:
-            self.master.before_checks(asked_at)
+            self._master_in_step(asked_at)
             candidate = self.repo.materialise(name, spec)
             return candidate, self.duplicate_of(name, candidate)
+
+    def _master_in_step(self, asked_at: float) -> None:
+        """Bring the lab repo's master in step with a master of record that mirrors another."""
+        before_checks = getattr(self.master, "before_checks", None)
+        if before_checks is not None:
+            before_checks(asked_at)
 
     # -- the checked spec ---------------------------------------------------------------------------
     def checked_spec(self, key: str) -> dict | None:
@@ -532,7 +540,7 @@ class Engine:
     def _promote(self, intent: Promote, p: _Pass) -> None:
         st, name = p.st, p.name
         with self.lock:
-            p.promotion = self.master.promote(Promotion(
+            p.promotion = self.master.promote_candidate(Promotion(
                 name=name, commit=st["commit"], source=self.repo.candidate_source(name),
                 val_bpb=intent.val_bpb, hashes=(st["candidateHash"], st["semanticHash"]),
                 parent=st.get("parentHash", ""), now=utcnow(), margin=intent.margin,
@@ -742,7 +750,7 @@ class Engine:
                               f"The master {m.hash[:12]} measures val_bpb "
                               f"{intent.val_bpb:.6f}; experiments may run."))
         with self.lock:
-            self.master.set_metric(m, intent.val_bpb, {1: intent.val_bpb})
+            self.master.set_master_metric(intent.val_bpb, {1: intent.val_bpb}, m.hash)
         self._keep_evaluation(m.hash, _evaluate_seconds(obs.result), name)
         backend.cleanup(name)
         self.book.release(name)
@@ -770,7 +778,7 @@ class Engine:
     def master_request(self, m: Master, name: str, slot: str | None,
                           seed: int = 0) -> RunRequest:
         return RunRequest(run=name, experiment="baseline", campaign="",
-                          candidate_source=self.master.source(), slot=slot,
+                          candidate_source=self.master.master_source(), slot=slot,
                           profile=self.lab.profile, data=self.lab.data,
                           budget_seconds=self.lab.budget_seconds, gpus=BASELINE_GPUS,
                           owner=self.lab_owner, seed=seed)

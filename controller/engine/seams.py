@@ -54,28 +54,31 @@ class StatusStore(Protocol):
 
 
 class MasterOfRecord(Protocol):
-    """Where the master lives."""
+    """Where the master lives. On one machine, the lab repo itself (`LabRepo`: master.json
+    and the `autolab/master` branch); in a cluster, the master ConfigMap, which the lab repo
+    follows.
+
+    A store that mirrors another (the cluster's) also has `before_checks(asked_at)`: bring
+    the lab repo's master in step before a candidate is checked against it. It is called
+    under the engine's lock; `asked_at` (time.monotonic()) is when the check asked: a
+    bringing in step begun since then (under the same lock) is as fresh as a new one.
+    """
 
     def master(self) -> Master: ...
 
-    def source(self) -> str: ...
+    def master_source(self) -> str: ...
 
-    def before_checks(self, asked_at: float | None = None) -> None:
-        """Bring the lab repo's master in step before a candidate is checked against it.
-
-        Called under the engine's lock. `asked_at` (time.monotonic()) is when the check asked:
-        a bringing in step begun since then (under the same lock) is as fresh as a new one.
-        """
-
-    def promote(self, promotion: Promotion) -> PromotionResult:
+    def promote_candidate(self, promotion: Promotion) -> PromotionResult:
         """Compare-and-swap the candidate in as the master (see `Promotion`)."""
 
-    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
-        """The baseline of `master`: its val_bpb, and its value at the places it ran."""
+    def set_master_metric(self, val_bpb: float, places: dict | None = None,
+                          master_hash: str | None = None) -> None:
+        """The baseline: the master's val_bpb, and its value at the places it ran; only while
+        `master_hash` (where given) is still the master."""
 
-    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> bool:
         """Keep the master's value at `place` if `master_hash` is still the master and the
-        place has none yet."""
+        place has none yet; True if it was kept."""
 
 
 class EventSink(Protocol):

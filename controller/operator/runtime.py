@@ -182,7 +182,7 @@ class ClusterMaster:
     def master(self) -> Master:
         return self.rt.master_record().master()
 
-    def source(self) -> str:
+    def master_source(self) -> str:
         return self.rt.master_record().source
 
     def before_checks(self, asked_at: float | None = None) -> None:
@@ -192,20 +192,23 @@ class ClusterMaster:
             return
         self.rt.sync()
 
-    def promote(self, promotion: Promotion) -> PromotionResult:
+    def promote_candidate(self, promotion: Promotion) -> PromotionResult:
         p = promotion
         result = self.rt.store.promote(p.name, p.source, p.commit, p.val_bpb, p.parent, p.margin,
                                        p.now, p.against, p.places)
         self.rt.sync()
         return result
 
-    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
-        self.rt.store.set_metric(master.hash, val_bpb, places)
+    def set_master_metric(self, val_bpb: float, places: dict | None = None,
+                          master_hash: str | None = None) -> None:
+        self.rt.store.set_metric(master_hash or self.master().hash, val_bpb, places)
         self.rt.sync()
 
-    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
-        if self.rt.store.set_place(master_hash, place, val_bpb):
+    def set_place(self, master_hash: str, place: int, val_bpb: float) -> bool:
+        kept = self.rt.store.set_place(master_hash, place, val_bpb)
+        if kept:
             self.rt.sync()
+        return bool(kept)
 
 
 class ClusterEvents:
