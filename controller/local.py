@@ -6,7 +6,8 @@ Each pass reads them and hands every experiment to the engine
 the engine to one machine: statuses live beside the specs in
 `.autolab/status/<name>.json` (the spec file's digest, its generation and
 the status), replaced atomically; the master is `research/live/master.json`
-and the lab repo's `autolab/master` branch; events go to
+and the lab repo's `autolab/master` branch (the lab repo is the engine's master
+of record itself: no adapter here); events go to
 `.autolab/events/<name>.jsonl`. The user's files are never written.
 
 Removing a spec file (or `autolab delete NAME`) is the local `kubectl
@@ -47,8 +48,8 @@ from filelock import FileLock
 from controller.backends import BackendConfigError
 from controller.backends.local import LocalBackend, visible_slots
 from controller.core.failures import RECONCILE_ERROR, failure_message
-from controller.core.reconcile import (ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate, Decision,
-                                       Event, Master, PromotionResult)
+from controller.core.intents import Decision, Event
+from controller.core.reconcile import ACTIVE, BASELINE_ATTEMPTS, TERMINAL, Candidate
 from controller.core.slots import SlotBook, instant
 from controller.core.spec import (LabSpec, SpecError, SpecUnreadable, next_name, trackable,
                                    validate_document)
@@ -135,23 +136,25 @@ class LoadedSpecs:
 
 
 class LocalStatuses:
-    """StatusStore: the spec files of `experiments/` and the records under `.autolab/status`."""
+    """StatusStore: the spec files of `experiments/` and the records under `.autolab/status`.
+
+    A pass reads its record once (`read`, under the experiment's file lock) and writes its
+    statuses over the record it read: the store keeps that record until the experiment is
+    read again or let go, so a status write reads no file.
+    """
 
     def __init__(self, lab: "LocalLab"):
         self.lab = lab
-        self.loaded: LoadedSpecs | None = None  # the spec files of the pass under way
+        self._records: dict[str, dict] = {}  # name -> its record as last read or written
 
-    def spec_file(self, name: str) -> SpecFile | None:
-        if self.loaded is None:
-            return self.lab.load_specs().specs.get(name)
-        return self.loaded.specs.get(name)
-
-    def read(self, name: str, created: str | None = None) -> Observed | None:
+    def read(self, name: str, created: str | None = None,
+             specs: LoadedSpecs | None = None) -> Observed | None:
         """The experiment as stored; a spec file seen for the first time gets its record now,
-        created at `created` (default: the file's modification time)."""
+        created at `created` (default: the file's modification time). `specs`: the spec files
+        as the pass under way loaded them (default: load them now)."""
         lab = self.lab
         record = lab.read_record(name)
-        sf = self.spec_file(name)
+        sf = (specs if specs is not None else lab.load_specs()).specs.get(name)
         if sf is not None and not sf.path.exists():
             sf = None  # deleted since the pass began (`autolab delete` beside the loop)
         if sf is not None and sf.doc is not None and trackable(sf.doc):
@@ -169,7 +172,9 @@ class LocalStatuses:
         else:
             sf = None
         if not record:
+            self._records.pop(name, None)
             return None  # finalized meanwhile (e.g. by `autolab delete` while the loop ran)
+        self._records[name] = record
         spec = record.get("spec")
         error = sf.error if sf is not None else None
         status = record.get("status") or {}
@@ -184,43 +189,17 @@ class LocalStatuses:
                         deleting=sf is None, spec_error=error, created=created_of(record))
 
     def write_status(self, name: str, status: dict, previous: dict | None = None) -> None:
-        record = self.lab.read_record(name)
+        record = self._records.get(name)
+        if record is None:
+            record = self.lab.read_record(name)
         if record.get("status") != status:
-            record["status"] = status
+            record = {**record, "status": status}
             self.lab.write_record(name, record)
+        self._records[name] = record
 
     def finalized(self, name: str) -> None:
+        self._records.pop(name, None)
         self.lab.paths.status_file(name).unlink(missing_ok=True)
-
-
-class LocalMaster:
-    """MasterOfRecord: `research/live/master.json` and the `autolab/master` branch."""
-
-    def __init__(self, lab: "LocalLab"):
-        self.lab = lab
-
-    def master(self) -> Master:
-        return self.lab.repo.master()
-
-    def source(self) -> str:
-        return self.lab.repo.master_source()
-
-    def before_checks(self, asked_at: float | None = None) -> None:
-        pass  # the lab repo is the master of record here
-
-    def promote(self, name: str, commit: str, source: str, val_bpb: float,
-                hashes: tuple[str, str], parent: str, now: str,
-                margin: float, against: float | None = None,
-                places: dict | None = None) -> PromotionResult:
-        return self.lab.repo.promote(name, commit, val_bpb, hashes, parent, now, margin, against,
-                                     places)
-
-    def set_metric(self, master: Master, val_bpb: float, places: dict | None = None) -> None:
-        if self.lab.repo.master().hash == master.hash:
-            self.lab.repo.set_master_metric(val_bpb, places)
-
-    def set_place(self, master_hash: str, place: int, val_bpb: float) -> None:
-        self.lab.repo.set_place(master_hash, place, val_bpb)
 
 
 class LocalEvents:
@@ -266,8 +245,7 @@ class LocalLab:
         self.state = self.paths.state
         self.statuses = LocalStatuses(self)
         self.engine = Engine(paths=self.paths, lab_name=self.name, lab=self.lab,
-                             statuses=self.statuses, master=LocalMaster(self),
-                             events=LocalEvents(self),
+                             statuses=self.statuses, events=LocalEvents(self),
                              backends={"local": LocalBackend(self.root)},
                              make_backend=self._make_backend, visible_slots=visible_slots)
         self.repo = self.engine.repo
@@ -360,11 +338,15 @@ class LocalLab:
     def _lock(self, name: str) -> FileLock:
         return FileLock(str(self.paths.lock(f"exp-{name}")))
 
-    def reconcile_one(self, name: str, deleting: bool = False,
-                      schedule: bool = True) -> Decision | None:
-        """One engine pass over `name`, under its file lock (`autolab delete` may run beside)."""
+    def reconcile_one(self, name: str, deleting: bool = False, schedule: bool = True,
+                      specs: LoadedSpecs | None = None) -> Decision | None:
+        """One engine pass over `name`, under its file lock (`autolab delete` may run beside):
+        its record read once, and handed to the engine. None if it is gone."""
         with self._lock(name):
-            return self.engine.reconcile(name, deleting=deleting, schedule=schedule)
+            obs = self.statuses.read(name, specs=specs)
+            if obs is None:
+                return None
+            return self.engine.reconcile(obs, deleting=deleting, schedule=schedule)
 
     def _planning_record(self, name: str) -> dict:
         """A record to plan a pass with; one that cannot be read, or is mis-shaped, reads as {}.
@@ -382,7 +364,7 @@ class LocalLab:
         # it, or the pass summary never sees it settle and `autolab run` never ends.
         return r if ok else {**r, "spec": {}}
 
-    def _reconcile_isolated(self, name: str, deleting: bool = False,
+    def _reconcile_isolated(self, name: str, specs: LoadedSpecs, deleting: bool = False,
                             schedule: bool = True) -> str | None:
         """`reconcile_one`, with a failure kept to that experiment; returns its message, if any.
 
@@ -391,7 +373,7 @@ class LocalLab:
         the next pass tries again.
         """
         try:
-            self.reconcile_one(name, deleting=deleting, schedule=schedule)
+            self.reconcile_one(name, deleting=deleting, schedule=schedule, specs=specs)
         except BackendConfigError:
             raise  # the lab's, not this experiment's: stop and say what to set
         except Exception as e:  # isolation is the point: whatever it is, it is this one's
@@ -426,11 +408,7 @@ class LocalLab:
                                               "DNS label (a-z, 0-9, '-')")
         for n in deleting:
             loaded.specs.pop(n, None)
-        self.statuses.loaded = loaded
-        try:
-            return self._step(loaded)
-        finally:
-            self.statuses.loaded = None
+        return self._step(loaded)
 
     def _observe_all(self) -> dict[str, dict]:
         records = {n: self._planning_record(n) for n in self.names()}
@@ -439,13 +417,13 @@ class LocalLab:
                                  for n, r in records.items()])
         return records
 
-    def _observe_new(self, names: list[str]) -> list[Observed]:
+    def _observe_new(self, names: list[str], specs: LoadedSpecs) -> list[Observed]:
         """The new experiments as their passes will read them (each under its lock)."""
         out = []
         for n in names:
             try:
                 with self._lock(n):
-                    obs = self.statuses.read(n)
+                    obs = self.statuses.read(n, specs=specs)
             except Exception:  # its own pass meets the problem and tells it
                 continue
             if obs is not None:
@@ -462,13 +440,13 @@ class LocalLab:
         # 1. deletions and pre-run checks, oldest first; a failure stays with its experiment.
         #    No slots yet: the new specs' priorities are weighed together in step 2.
         for n in sorted(gone):
-            failures.append(self._reconcile_isolated(n, deleting=True))
+            failures.append(self._reconcile_isolated(n, loaded, deleting=True))
         new = [n for n in order
                if (records.get(n, {}).get("status") or {}).get("phase") in (None, "Pending")]
-        self.engine.precheck(self._observe_new(new))  # checked on every core, taken in order
+        self.engine.precheck(self._observe_new(new, loaded))  # checked on every core, taken in order
         try:
             for n in new:
-                failures.append(self._reconcile_isolated(n, schedule=False))
+                failures.append(self._reconcile_isolated(n, loaded, schedule=False))
         finally:
             self.engine.drop_prechecks()
         # 2. the master's baseline, then everything in flight or left to settle
@@ -485,7 +463,7 @@ class LocalLab:
         for n in sorted(records, key=lambda n: n not in in_flight):
             phase = (records[n].get("status") or {}).get("phase")
             if phase in ACTIVE or (phase in TERMINAL and n in loaded.specs):
-                failures.append(self._reconcile_isolated(n))
+                failures.append(self._reconcile_isolated(n, loaded))
         return self.summary(loaded.errors + [f for f in failures if f])
 
     def summary(self, errors: list[str] | None = None) -> "PassSummary":
@@ -496,12 +474,6 @@ class LocalLab:
         return PassSummary(rows=rows, errors=errors or [],
                            baseline_pending=self.repo.master().val_bpb is None,
                            slots=self.engine.slot_ids() or [])
-
-    def name_used(self, name: str) -> str | None:
-        """Where `name` was recorded before, if anywhere: names are permanent once the ledger
-        has a row of theirs (a finished, refused, imported or deleted experiment), as run ids
-        and experiment branches are named after them."""
-        return self.ledger.name_recorded(name)
 
     def apply_file(self, doc: dict, source: str) -> str:
         """Write a validated spec into experiments/; returns created, unchanged or configured
@@ -537,11 +509,9 @@ class LocalLab:
                 return "unchanged"
             atomic_write(target, _spec_yaml(doc))
             return "configured"
-        used = self.name_used(name)
-        if used:
-            raise SpecError(f"{source}: experiment name {name!r} was used before ({used}); names "
-                            f"are permanent once recorded: apply it under a new name, e.g. "
-                            f"{next_name(name)}")
+        refused = self.engine.name_refusal(name)
+        if refused:
+            raise SpecError(f"{source}: {refused}")
         atomic_write(target, _spec_yaml(doc))
         with self._lock(name):  # recorded now: Pending until the loop checks it
             self.statuses.read(name, created=self._creation_stamp())

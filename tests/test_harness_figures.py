@@ -345,7 +345,7 @@ def test_the_status_and_the_ledger_row_say_which_figures_are_the_candidates(resu
                                                             "job": job},
                         run=RunObservation("exp-e-1", "succeeded", result=result)))
     assert d.status[figures.STATUS_FIELD] == status_list
-    row = next(i.args["row"] for i in d.intents if i.kind == "record")
+    row = next(i.row for i in d.intents if i.kind == "record")
     assert row[figures.COLUMN] == column
     baseline, _ = master_run_row(master, RunObservation("baseline-x-1", "succeeded", result=result))
     assert baseline[figures.COLUMN] == column

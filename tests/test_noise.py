@@ -17,6 +17,7 @@ import yaml
 
 from controller.cli.main import main
 from controller.core.noise import PLACE_SEEDS, lord_level, place_seed
+from controller.engine import measure_noise, noise_record
 from controller.local import LAB_FILE, LocalLab, init_lab
 from labkit import InstantBackend, run_until_done, spec_from_edit
 
@@ -59,7 +60,7 @@ class Gpu:
 
 def places_of(lab: LocalLab, backend: InstantBackend) -> dict[str, int]:
     """The place of every run the backend was asked for, read back from its seed."""
-    by_seed = {place_seed(lab.engine._noise_key(), i): i for i in range(1, 60)}
+    by_seed = {place_seed(lab.engine.campaign.noise_key(), i): i for i in range(1, 60)}
     return {run: by_seed.get(req.seed) for run, req in backend.requests.items()}
 
 
@@ -226,9 +227,9 @@ def test_autolab_noise_says_what_the_lab_can_see_on_which_master(tmp_path, monke
     for _ in range(40):  # as `autolab noise --runs 4` steps it
         if lab.repo.master().place(1) is None:
             lab.engine.baseline()
-        elif lab.engine.measure_noise(4).state == "measured":
+        elif measure_noise(lab.engine, 4).state == "measured":
             break
-    doc = lab.engine.noise_record()
+    doc = noise_record(lab.engine)
     assert doc["master"] == lab.repo.master().hash
     assert 0.002 < doc["acrossSeeds"] < 0.015 and doc["paired"] < 0.002
     assert doc["detectable"] == pytest.approx(doc["detectableSds"] * doc["paired"], abs=1e-6)
@@ -240,7 +241,7 @@ def test_autolab_noise_says_what_the_lab_can_see_on_which_master(tmp_path, monke
     assert run_until_done(lab)["lr-03"]["outcome"] == "Promoted"
     runs = [r for r in backend.requests if r.startswith("exp-lr-03-1-m")]
     assert runs == [], "places 1-4 were the master's already: no master run"
-    assert lab.engine.noise_record() is None
+    assert noise_record(lab.engine) is None
 
 
 def test_a_fixed_handicap_does_not_leave_its_spread_behind(tmp_path, monkeypatch):

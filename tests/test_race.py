@@ -112,8 +112,8 @@ def test_a_winner_refused_at_the_compare_and_swap_is_followed_up_locally(tmp_pat
     other = LocalLab(root)  # a second controller on the same lab
     other.backends["local"] = runs
     lab.engine.statuses = RaceAtPromotion(lab.engine.statuses, "tw-b",
-                                          lambda: other.engine.reconcile("tw-a"))
-    lab.engine.reconcile("tw-b")  # tw-b's verdict first; tw-a lands during its promotion
+                                          lambda: other.reconcile_one("tw-a"))
+    lab.engine.reconcile(lab.statuses.read("tw-b"))  # tw-b's verdict first; tw-a lands during its promotion
     assert lab.engine.statuses.fired and lab.repo.master().experiment == "tw-a"
     st = lab.read_record("tw-b")["status"]
     assert (st["phase"], st["reason"], st["attempt"]) == ("Confirming", "FollowUp", 2), st

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from controller.core.intents import SetPlace
 from controller.core.reconcile import (Candidate, Master, PromotionResult, RunObservation, World,
                                        beats, next_run, reconcile, reconcile_baseline)
 from controller.core.spec import ExperimentSpec, LabSpec
@@ -136,7 +137,7 @@ def test_duplicate_message_names_the_original():
                         candidate=GOOD, duplicate_of="warmdown-075"))
     assert d.status["duplicateOf"] == "warmdown-075"
     assert "same program as warmdown-075" in d.status["message"]
-    row = d.intents[0].args["row"]
+    row = d.intents[0].row
     assert row["status"] == "duplicate" and row["duplicate_of"] == "warmdown-075"
 
 
@@ -170,7 +171,7 @@ def test_baseline_runs_once_then_sets_the_master_metric():
     failed = reconcile_baseline(UNMEASURED, RunObservation("b", "failed", result={
         "reason_code": "CandidateCrashed", "reason": "boom"}), "0", False)
     assert [i.kind for i in failed] == ["record", "resubmit-baseline"]
-    assert failed[0].args["row"]["status"] == "error"
+    assert failed[0].row["status"] == "error"
 
 
 def test_baseline_runs_are_named_per_lab_and_attempt():
@@ -196,7 +197,7 @@ def test_only_what_the_candidate_did_counts_as_measured(state, result, phase, ro
                         run=RunObservation("exp-e-1", state, result=result)))
     assert d.status["phase"] == phase
     (record,) = [i for i in d.intents if i.kind == "record"]
-    assert record.args["row"]["status"] == row_status
+    assert record.row["status"] == row_status
 
 
 MOVED = Master(hash="9" * 40, semantic_hash="8" * 40, commit="7" * 40, val_bpb=0.95,
@@ -216,9 +217,9 @@ def test_a_winner_built_on_an_older_master_gets_a_rebased_follow_up_not_a_promot
         ("Confirming", "FollowUp", 2)
     assert not d.status.get("job") and d.status["run"] == "exp-e-2"
     (record,) = [i for i in d.intents if i.kind == "record"]
-    assert (record.args["row"]["run_id"], record.args["row"]["status"],
-            record.args["row"]["promoted"]) == ("exp-e-1", "succeeded", "0")
-    assert ("cleanup-run", "exp-e-1") in [(i.kind, i.args.get("run")) for i in d.intents]
+    assert (record.row["run_id"], record.row["status"],
+            record.row["promoted"]) == ("exp-e-1", "succeeded", "0")
+    assert ("cleanup-run", "exp-e-1") in [(i.kind, getattr(i, "run", None)) for i in d.intents]
 
 
 def test_a_loser_on_an_older_master_is_judged_against_its_own_parent():
@@ -304,9 +305,9 @@ def drive(w, values, steps=30):
         if not subs:
             return d, submitted
         (sub,) = subs
-        submitted.append((sub.args["run"], sub.args["program"], sub.args["place"]))
+        submitted.append((sub.run, sub.program, sub.place))
         d = reconcile(dataclasses.replace(w, status=d.status,
-                                          run=finished(sub.args["run"], values[sub.args["run"]])))
+                                          run=finished(sub.run, values[sub.run])))
         if d.status["phase"] in ("Succeeded", "Failed") or "promote" in d.kinds():
             return d, submitted
         d = reconcile(dataclasses.replace(w, status=d.status, run=None, slot="0"))
@@ -340,8 +341,8 @@ def test_pairs_go_place_by_place_and_reuse_the_masters_values():
         assert (3 in d.status["pairs"]["masterFirst"]) == (submitted[2][1] == "master")
     assert orders == {"candidate", "master"}
     (promote,) = [i for i in d.intents if i.kind == "promote"]
-    assert promote.args["places"] == {"1": 0.99, "2": 1.0, "3": 0.995}
-    assert promote.args["val_bpb"] == round((0.99 + 1.0 + 0.995) / 3, 6)
+    assert promote.places == {"1": 0.99, "2": 1.0, "3": 0.995}
+    assert promote.val_bpb == round((0.99 + 1.0 + 0.995) / 3, 6)
     assert d.status["pairs"]["master"] == [1.0, 1.01, 1.005]
     assert d.status["pairs"]["verdict"]["decision"] == "promote"
     # the master's run at place 3 was kept for the next candidate (`set-place`), during the pass
@@ -355,8 +356,8 @@ def test_the_masters_run_at_a_place_is_kept_on_the_master():
     d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW, status=status,
                         run=finished("exp-e-1-m3", 1.005)))
     (keep,) = [i for i in d.intents if i.kind == "set-place"]
-    assert keep.args == {"master": "a" * 40, "place": 3, "val_bpb": 1.005}
-    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    assert keep == SetPlace(master="a" * 40, place=3, val_bpb=1.005)
+    rows = [i.row for i in d.intents if i.kind == "record"]
     assert [(r["run_id"], r["candidate_hash"]) for r in rows][0] == ("exp-e-1-m3", "a" * 40)
     # measured meanwhile by another candidate: taken, no run spent
     status["job"] = None
@@ -431,7 +432,7 @@ def test_a_promotion_refused_because_another_landed_first_is_followed_up():
         ("Confirming", "FollowUp", 2)
     assert d.status.get("outcome") is None and "pairs" not in d.status
     assert "measured again there" in d.status["message"]
-    (row,) = [i.args["row"] for i in d.intents if i.kind == "record"]
+    (row,) = [i.row for i in d.intents if i.kind == "record"]
     assert (row["run_id"], row["reason"], row["promoted"]) == ("exp-e-1", "FollowUp", "0")
 
 
@@ -461,14 +462,14 @@ def test_a_masters_pair_run_that_fails_is_run_again_at_its_place():
                             "status": "failed", "reason_code": "CandidateCrashed"})))
     assert (d.status["phase"], d.status["reason"]) == ("Confirming", "RunRetried")
     assert d.status["pairs"]["candidate"] == [0.99, 1.0, 0.995]
-    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    rows = [i.row for i in d.intents if i.kind == "record"]
     assert [(r["run_id"], r["status"]) for r in rows] == [("exp-e-1-m3", "lost")]
     assert [e.reason for e in d.events] == ["RunRetried"]
     # the next pass submits the master again at place 3, as a retry of its own name
     d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
                         status=d.status, slot="0"))
     (submit,) = [i for i in d.intents if i.kind == "submit"]
-    assert (submit.args["run"], submit.args["program"], submit.args["place"]) == \
+    assert (submit.run, submit.program, submit.place) == \
         ("exp-e-1-m3-t2", "master", 3)
 
 
@@ -482,16 +483,16 @@ def test_a_run_lost_more_often_than_the_bound_ends_the_experiment_not_held_again
         d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
                             status=status, slot="0"))
         (submit,) = [i for i in d.intents if i.kind == "submit"]
-        runs.append(submit.args["run"])
+        runs.append(submit.run)
         d = reconcile(World(name="e", spec=SPEC, lab=AUTO, master=PLACED, now=NOW,
-                            status=d.status, run=RunObservation(submit.args["run"], "lost")))
+                            status=d.status, run=RunObservation(submit.run, "lost")))
         status = d.status
         if k < 4:
             assert status["phase"] == "Confirming"
     assert runs == ["exp-e-1-p3", "exp-e-1-p3-t2", "exp-e-1-p3-t3", "exp-e-1-p3-t4"]
     assert (status["phase"], status["reason"]) == ("Failed", "RunsLost")
     assert "continues from its 2 pairs" in status["message"]
-    rows = [i.args["row"] for i in d.intents if i.kind == "record"]
+    rows = [i.row for i in d.intents if i.kind == "record"]
     assert [(r["run_id"], r["status"]) for r in rows] == [("exp-e-1-p3-t4", "lost"),
                                                          ("exp-e-1", "error")]
     assert [x["run"] for x in status["lostRuns"]] == runs

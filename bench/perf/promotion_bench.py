@@ -353,16 +353,16 @@ def core_rows(kind: str, decisions: int, rng: random.Random, per_master: int = 4
                 sub = next((i for i in d.intents if i.kind == "submit"), None)
                 if sub is not None:
                     spent += 1
-                    mine = sub.args["program"] == "candidate"
+                    mine = sub.program == "candidate"
                     val = value(master_gain + (gain if mine else 0.0),
-                                init if mine else master_init, sub.args["place"])
+                                init if mine else master_init, sub.place)
                     d = reconcile(World(name=f"e{k}", spec=spec, lab=lab_spec, master=master,
                                         now="t", status=d.status, run=RunObservation(
-                                            sub.args["run"], "succeeded",
+                                            sub.run, "succeeded",
                                             result={"metrics": {"val_bpb": val}})))
                 for i in d.intents:
                     if i.kind == "set-place":
-                        places.setdefault(int(i.args["place"]), i.args["val_bpb"])
+                        places.setdefault(int(i.place), i.val_bpb)
                     if i.kind == "promote":
                         promoted = True
                 st = d.status
@@ -372,7 +372,7 @@ def core_rows(kind: str, decisions: int, rng: random.Random, per_master: int = 4
                     break
             if promoted:
                 places = {int(p): v for p, v in next(
-                    i for i in d.intents if i.kind == "promote").args["places"].items()}
+                    i for i in d.intents if i.kind == "promote").places.items()}
                 master_gain, master_init, version = master_gain + gain, init, version + 1
                 out["promoted"] += 1
                 out["win_runs"] += spent

@@ -38,7 +38,6 @@ import yaml
 
 from controller.cli import output as cli
 from controller.cli.agents import AGENTS_DIR, RUNTIMES, kickoff_text, load_contracts, render
-from controller.core.reconcile import World, reconcile, run_name
 from controller.core.spec import (API_VERSION, ExperimentSpec, SpecError, is_valid_name,
                                   validate_document)
 from controller.lab.clock import utcnow
@@ -245,15 +244,7 @@ class Validator:
         if taken:
             return Finding(source, name, False, "Invalid", "NameTaken", taken)
         self.seen[name] = source
-        scratch = self._scratch_name()
-        try:
-            candidate = self.lab.repo.materialise(scratch, spec)
-            duplicate = self.lab.duplicate_of(name, candidate)
-        finally:
-            self.lab.repo.cleanup(scratch, keep_branch=False)
-        # A candidate that passes is claimed in flight (engine.duplicate_of), so a batch
-        # that repeats itself is caught the way the controller would catch it.
-        return self._decide(source, name, spec, None, candidate, duplicate)
+        return self._decide(source, name, spec, None, self._scratch_name())
 
     def _name_taken(self, name: str, doc: dict, source: str) -> str | None:
         if name in self.seen:
@@ -267,18 +258,11 @@ class Validator:
                         "spec; the controller runs the spec it checked and ignores changes. "
                         "Apply this one under a new name")
             return None
-        used = self.lab.name_used(name)
-        if used or self.lab.ledger.has_run(run_name(name)):
-            return (f"experiment name {name!r} was used before ({used or 'ledger run ' + run_name(name)}); "
-                    "names are permanent once recorded: choose a new one")
-        return None
+        return self.lab.engine.name_refusal(name)
 
     def _decide(self, source: str, name: str, spec: ExperimentSpec | None,
-                spec_error: str | None, candidate=None, duplicate: str | None = None) -> Finding:
-        w = World(name=name, spec=spec, lab=self.lab.lab, master=self.lab.repo.master(),
-                  now=utcnow(), spec_error=spec_error, candidate=candidate,
-                  duplicate_of=duplicate)
-        st = reconcile(w).status
+                spec_error: str | None, scratch: str | None = None) -> Finding:
+        st = self.lab.engine.dry_run(name, spec, spec_error, scratch)
         checked = next((c for c in st.get("conditions", []) if c["type"] == "Checked"), None)
         ok = st["phase"] not in ("Invalid", "Duplicate", "Conflict")
         f = Finding(source, name, ok, st["phase"], checked["reason"] if checked else st["reason"],

@@ -12,12 +12,12 @@ from pathlib import Path
 import yaml
 
 from controller.core import figures
-from controller.core.reconcile import TERMINAL
+from controller.core.status import TERMINAL
 from controller.core.noise import hard_cap
 from controller.core.spec import SpecError
 from controller.backends.local import UNSAFE_ENV
 from controller.lab.init import default_max_pairs
-from controller.engine import BaselineFailed
+from controller.engine import BaselineFailed, measure_noise, noise_record
 from controller.local import LocalLab, init_lab, load_yaml_file, queue_places
 from controller.cli.listing import select, sort_records
 from controller.cli.output import (CliError, activate_hint, autolab_command, gain_interval, item,
@@ -330,7 +330,7 @@ def _sandbox_or_refuse(lab: LocalLab, unsafe: bool) -> None:
 
 def cmd_noise(a) -> int:
     """`autolab noise --runs N`: the master at places 1..N (kept for its candidates) and once
-    more at each; what the lab can see at this budget (`Engine.measure_noise`)."""
+    more at each; what the lab can see at this budget (`controller.engine.noise`)."""
     if a.runs < 2:
         raise CliError(f"--runs {a.runs}: the spread needs at least 2 runs; pass --runs 3 or more")
     lab = LocalLab(a.lab)
@@ -342,9 +342,9 @@ def cmd_noise(a) -> int:
     shown = None
     while True:
         state = engine.baseline() if engine.master.master().place(1) is None \
-            else engine.measure_noise(a.runs)
+            else measure_noise(engine, a.runs)
         if engine.master.master().place(1) is not None and state.state == "measured" \
-                and engine.noise_record() is not None:
+                and noise_record(engine) is not None:
             break
         if state.state == "failed":
             raise CliError(f"{state.message}; see the runs' logs under "
@@ -353,7 +353,7 @@ def cmd_noise(a) -> int:
             print(f"  {state.run}: {state.state}", flush=True)
             shown = state.run
         time.sleep(a.interval)
-    doc = engine.noise_record() or {}
+    doc = noise_record(engine) or {}
     pairs = ", ".join(f"{p:.6f}/{r:.6f}" for p, r in zip(doc["places"], doc["repeats"]))
     print(f"master {doc['master'][:12]} ({doc.get('experiment') or 'seed'}), place by place "
           f"(run/again): {pairs}")
@@ -659,7 +659,7 @@ def cmd_master(a) -> int:
     places = d.get("places") or {}
     print("places:     " + (", ".join(f"{k}: {number(v)}" for k, v in sorted(
         places.items(), key=lambda kv: int(kv[0]))) if places else "none yet"))
-    noise = lab.engine.noise_record()
+    noise = noise_record(lab.engine)
     print("noise:      " + (f"across seeds sd {noise['acrossSeeds']}, paired sd "
                             f"{noise['paired']}, detectable {noise['detectable']} (measured on "
                             f"this master, {noise['master'][:12]}, budget "

@@ -1,7 +1,8 @@
-"""Kept as one file: the whole lifecycle as one pure function, with the ledger rows its states
-write, read side by side.
+"""The lifecycle of an experiment, as one pure function.
 
-The lifecycle of an experiment, as one pure function.
+What it reads is `controller.core.world` (the World and its parts), what it returns is
+`controller.core.intents` (the Decision: a status, events and typed intents), and the ledger
+rows its states write are `controller.core.rows`; this module is the state machine between.
 
 `reconcile(world) -> Decision` reads what a front end observed about one
 experiment (its spec, its last status, the master, the checks on its
@@ -46,18 +47,21 @@ from __future__ import annotations
 
 import copy
 import random
-import secrets
-from dataclasses import dataclass, field
-from typing import Any
 
 from controller.core import figures
+from controller.core.rows import (FIGURE_COLUMNS, carried_values, ledger_row,  # noqa: F401
+                                  master_run_row, pair_row)
+from controller.core.world import (Candidate, Master, PromotionResult, RunObservation,  # noqa: F401
+                                   World, finite, run_name)
+from controller.core.intents import (AcquireSlot, Cancel, ClaimTest, Cleanup, CleanupRun,
+                                     Decision, Event, Intent, Materialise, Promote, Record,
+                                     ResubmitBaseline, SetMasterMetric, SetPlace, Submit)
 from controller.core.noise import (MAX_ATTEMPTS, Step, decide, hard_cap, mean, one_pair,
                                    test_alpha)
-from controller.core.spec import ExperimentSpec, LabSpec
 # ACTIVE and TERMINAL are re-exported: the front ends and the CLI read them from here.
 from controller.core.status import (ACTIVE, CANCELLED, CONFIRMING, DUPLICATE, FAILED,  # noqa: F401
                                     HARNESS_REASONS, INVALID, PENDING, PROMOTED, QUEUED, REJECTED,
-                                    NOT_MEASURED, RUNNING, SUCCEEDED, TERMINAL, UNDECIDED,
+                                    RUNNING, SUCCEEDED, TERMINAL, UNDECIDED,
                                     Condition, Reason)
 
 # How often one run (a program at a place) is submitted again after it was lost for a reason
@@ -73,146 +77,9 @@ NOT_RETRIED = ("SandboxUnavailable", "DataUnavailable", "HarnessTampered")
 SUMMARY_KEYS = figures.SUMMARY_KEYS  # what of a result's metrics a status keeps
 
 
-# --- what the front end observed -------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Master:
-    """The promoted surface: its hashes, its commit and its measured metric (None: not yet)."""
-
-    hash: str
-    semantic_hash: str
-    commit: str
-    val_bpb: float | None = None
-    experiment: str | None = None
-    # Its val_bpb at each place (the i-th secret harness seed): measured once, reused by every
-    # candidate; a promoted candidate's own runs. Keys are places (1, 2, ...).
-    places: dict = field(default_factory=dict)
-
-    def place(self, i: int) -> float | None:
-        """The master's value at place `i`. A master measured before places (its val_bpb from
-        one run on seed 0) stands for place 1 with that value, also once later places of it
-        are measured (else its decisions would wait for a baseline that never comes)."""
-        v = self.places.get(i)
-        if v is None and i == 1:
-            return self.val_bpb
-        return v
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """What materialising the spec produced: a checked candidate, or the refusal."""
-
-    refusal: str | None = None  # "Invalid" or "Conflict"
-    reason: str = ""
-    message: str = ""
-    candidate_hash: str | None = None
-    semantic_hash: str | None = None
-    parent_hash: str | None = None
-    rebased_from: str | None = None
-    commit: str | None = None
-    changed_lines: int = 0
-
-
-@dataclass(frozen=True)
-class RunObservation:
-    """A backend's view of one run. `result` is the run harness's result JSON when finished."""
-
-    name: str
-    state: str  # missing | queued | running | succeeded | failed | error | cancelled | lost
-    result: dict | None = None
-    message: str = ""
-    job_id: str = ""
-    worker: str = ""
-    reason: str = ""  # what a queued run waits for (a Reason: WaitingForAdmission); "": RunQueued
-    # A running run that no longer needs its GPU alone: its candidate is gone and its evaluator
-    # holds the memory it needs. The engine may start the slot's next run up beside it.
-    handover: bool = False
-    # A running run whose evaluation ran out of time beside the run started up next to it: it
-    # wants its GPU back (that run stopped) to measure the model again, alone.
-    handback: bool = False
-
-
-@dataclass(frozen=True)
-class PromotionResult:
-    promoted: bool
-    master_val_bpb: float | None
-    message: str = ""
-    reason: str = ""  # why not, as a Reason (DidNotBeatMaster, MasterMoved)
-
-
-@dataclass(frozen=True)
-class World:
-    name: str
-    spec: ExperimentSpec | None
-    lab: LabSpec
-    master: Master
-    now: str
-    status: dict = field(default_factory=dict)
-    spec_error: str | None = None
-    generation: int = 1
-    deleting: bool = False
-    candidate: Candidate | None = None
-    duplicate_of: str | None = None
-    slot: str | None = None
-    run: RunObservation | None = None
-    promotion: PromotionResult | None = None
-    recorded: bool = False
-    worktree: bool = False
-    near_duplicates: tuple[str, ...] = ()  # judged experiments that made the same move
-    # Which test against the current master this experiment's would be (1: the first): the
-    # engine counts the experiments that began one against it. It sets the test's level.
-    tries: int = 1
-    # The level this experiment's test would run at if it began now (the engine's online FDR
-    # control, `controller.core.noise.lord_level`); None: the older rule, `test_alpha(tries)`.
-    level: float | None = None
-    # Values of this same candidate, on this same master, at places 1..k, from decisions of it
-    # that ended without a verdict (Undecided, RunsLost): (experiments, {place: val_bpb}). A
-    # decision that has not begun takes them and goes on from place k + 1.
-    carried: tuple[tuple[str, ...], dict] | None = None
-    # Randomness for what must be secret from a candidate: the order of the two runs at a place
-    # (`next_run`). Drawn when the front end builds the World, so reconcile stays a function of
-    # its input and tests can pin it.
-    entropy: int = field(default_factory=lambda: secrets.randbits(64))
-
-
-# --- what reconcile asks for -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Intent:
-    """One idempotent effect for the front end to carry out.
-
-    kinds: materialise, acquire-slot(priority, confirm), submit(run, slot, backend,
-    program, place), cancel(run), promote(run, val_bpb, places), set-place(master, place,
-    val_bpb): the master's value at a place, measured by this experiment's run; record(row),
-    cleanup, cleanup-run(run, backend): the backend's objects of a run that ended mid-life.
-    """
-
-    kind: str
-    args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Decision:
-    status: dict
-    intents: list[Intent] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    # The object may go: it is terminal, recorded and cleaned up (finalizers may be removed).
-    finalized: bool = False
-
-    def kinds(self) -> list[str]:
-        return [i.kind for i in self.intents]
-
-
-def run_name(name: str, attempt: int = 1) -> str:
-    return f"exp-{name}-{attempt}"
-
+# What the front end observed (the World and its parts): controller/core/world.py. What
+# reconcile asks for (the intents), the Decision and its Events: controller/core/intents.py.
+# The ledger rows its states write: controller/core/rows.py. All re-exported from here.
 
 def beats(val: float, master_val: float | None, min_delta: float) -> bool:
     """True when `val` improves on the master by more than `min_delta` (lower is better)."""
@@ -258,10 +125,6 @@ def master_moved(val_bpb: float, parent: str, master: str, experiment: str | Non
             f"to {master[:12]} ({experiment or 'seed'}) while it ran: promoting it would drop "
             "that change. Apply the same change again under a new name: it rebases onto the "
             "current master and is measured there.")
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and x == x and x not in (float("inf"), float("-inf"))
 
 
 # --- the function ----------------------------------------------------------------------------
@@ -329,7 +192,7 @@ def reconcile(w: World) -> Decision:
 def _reconcile_pending(s: _Step) -> Decision:
     w, st = s.w, s.st
     if w.candidate is None:
-        s.intents.append(Intent("materialise"))
+        s.intents.append(Materialise())
         return s.decision()
     c = w.candidate
     if c.refusal:
@@ -457,9 +320,9 @@ def _reconcile_active(s: _Step) -> Decision:
             # Its place in the queue is the book's (core/slots.py: priority, then creation).
             # A decision a promotion voided (attempt 2 on) goes on in the decisions' turn, as
             # its pairs did: it had its first look, and new ideas are not made to wait behind it.
-            s.intents.append(Intent("acquire-slot", {
-                "priority": w.spec.priority if w.spec else 0, "confirm": bool(p) or
-                int(st.get("attempt") or 1) > 1}))
+            s.intents.append(AcquireSlot(
+                priority=w.spec.priority if w.spec else 0,
+                confirm=bool(p) or int(st.get("attempt") or 1) > 1))
             return s.decision()
         if nxt["place"] == 1 and st.get("parentHash") and st["parentHash"] != w.master.hash:
             refused = _rebase(s)
@@ -484,9 +347,8 @@ def _reconcile_active(s: _Step) -> Decision:
                     f"Run {nxt['name']}{what} submitted to {backend} on slot {w.slot}.")
         s.events.append(Event("Normal", Reason.SUBMITTED, f"Run {nxt['name']}{what} on {backend}, "
                                                           f"slot {w.slot}."))
-        s.intents.append(Intent("submit", {"run": nxt["name"], "slot": w.slot,
-                                           "backend": backend, "program": nxt["program"],
-                                           "place": nxt["place"], "claim": claim}))
+        s.intents.append(Submit(run=nxt["name"], slot=w.slot, backend=backend,
+                                  program=nxt["program"], place=nxt["place"], claim=claim))
         return s.decision()
     run = w.run
     if run is not None and run.state == "missing" and job.get("id"):
@@ -498,10 +360,9 @@ def _reconcile_active(s: _Step) -> Decision:
     if run is None or run.state == "missing":
         # Submitted but not visible (a crash before the backend saw it, or a lagging cache):
         # submitting again adopts the run if it exists, creates it if it does not.
-        s.intents.append(Intent("submit", {"run": job["name"], "slot": job.get("slot"),
-                                           "backend": job["backend"],
-                                           "program": job.get("program", "candidate"),
-                                           "place": job.get("place", 1)}))
+        s.intents.append(Submit(run=job["name"], slot=job.get("slot"), backend=job["backend"],
+                                  program=job.get("program", "candidate"),
+                                  place=job.get("place", 1)))
         return s.decision()
     if run.job_id:
         job["id"] = run.job_id
@@ -531,7 +392,7 @@ def _rebase(s: _Step) -> Decision | None:
     w, st = s.w, s.st
     c = w.candidate
     if c is None or (not c.refusal and c.parent_hash != w.master.hash):
-        s.intents.append(Intent("materialise"))
+        s.intents.append(Materialise())
         return None
     if c.refusal:
         s.phase(c.refusal, c.reason, f"Rebased onto master {w.master.hash[:12]} before its "
@@ -573,14 +434,14 @@ def _reconcile_finished(s: _Step, run: RunObservation) -> Decision:
         return _settle_terminal(s)
     metrics = dict((run.result or {}).get("metrics") or {})
     val = metrics.get(w.lab.metric)
-    if not _finite(val):
+    if not finite(val):
         s.phase(FAILED, Reason.NO_METRIC, f"The run finished without a finite {w.lab.metric}.",
                 True)
         return _settle_terminal(s)
     st["metrics"] = {k: metrics[k] for k in SUMMARY_KEYS if k in metrics}
     st[figures.STATUS_FIELD] = figures.of_result(run.result, st["metrics"])
     evaluated = ((run.result or {}).get("timing") or {}).get("evaluate_seconds")
-    if _finite(evaluated):  # a promoted candidate's bounds the next ones' (core.evaluation)
+    if finite(evaluated):  # a promoted candidate's bounds the next ones' (core.evaluation)
         st["metrics"]["evaluate_seconds"] = evaluated
     # Paired with the master it was built on, at place 1 (its value when the run started).
     base = st.get("parentValBpb")
@@ -601,7 +462,7 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     p, job = st["pairs"], st["job"]
     program = job.get("program", "candidate")
     val = ((run.result or {}).get("metrics") or {}).get(w.lab.metric)
-    ok = run.state == "succeeded" and _finite(val)
+    ok = run.state == "succeeded" and finite(val)
     if not ok and (_retried(run) or (program == "master" and run.state != "error")):
         # Not the candidate's doing: the master's run, or the machine. The place is run again;
         # the pairs so far stay.
@@ -609,15 +470,14 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
     if not ok and run.state == "error":  # a fault that running again cannot mend
         why = (run.result or {}).get("reason") or run.message or run.state
         code = (run.result or {}).get("reason_code") or Reason.INFRASTRUCTURE_ERROR
-        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
-                                                          status="error")}))
+        s.intents.append(Record(pair_row(w.name, w.spec, st, job, run, None, status="error")))
         s.phase(FAILED, code, f"pair run {job['name']} ({program}, place {job.get('place')}) "
                               f"could not run: {why}. Nothing is held against the candidate: fix "
                               "the machine, then apply it again under a new name; it continues "
                               "from its pairs.", warning=True)
         return _settle_terminal(s)
     row = pair_row(w.name, w.spec, st, job, run, val if ok else None)
-    s.intents.append(Intent("record", {"row": row}))
+    s.intents.append(Record(row))
     if not ok:
         why = (run.result or {}).get("reason") or run.message or run.state
         msg = (f"pair run {job['name']} (the candidate, place {job.get('place')}) failed "
@@ -629,8 +489,8 @@ def _pair_run_finished(s: _Step, run: RunObservation) -> Decision:
         return _settle_terminal(s)
     p[program].append(val)
     if program == "master":
-        s.intents.append(Intent("set-place", {"master": st.get("parentHash", ""),
-                                              "place": job.get("place"), "val_bpb": val}))
+        s.intents.append(SetPlace(master=st.get("parentHash", ""), place=job.get("place"),
+                                     val_bpb=val))
     return _judge(s)
 
 
@@ -653,8 +513,7 @@ def _lost(s: _Step, run: RunObservation) -> Decision:
     what = f"run {job['name']} ({program}, place {place})"
     final = tries > LOST_RETRIES
     if not (final and not st.get("pairs")):  # a first run's last try is the experiment's row
-        s.intents.append(Intent("record", {"row": pair_row(w.name, w.spec, st, job, run, None,
-                                                          status="lost")}))
+        s.intents.append(Record(pair_row(w.name, w.spec, st, job, run, None, status="lost")))
     if final:
         n = len((st.get("pairs") or {}).get("candidate") or [])
         msg = (f"{what} was lost {tries} times ({why}): no verdict, and nothing is held against "
@@ -732,7 +591,7 @@ def _continue(s: _Step) -> Decision:
     s.events.append(Event("Normal", Reason.CONTINUED, msg))
     s.condition(Condition.CHECKED, True, Reason.CONTINUED, msg)
     if claim:
-        s.intents.append(Intent("claim-test", {}))
+        s.intents.append(ClaimTest())
     return _judge(s)
 
 
@@ -779,13 +638,13 @@ def _next_run(s: _Step) -> None:
     backend objects go and the next run may be submitted."""
     job = s.st.get("job")
     if job:
-        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(CleanupRun(run=job["name"], backend=job["backend"]))
     s.st["job"] = None
 
 
 def _verdict(step: Step, tries: int, cap: int) -> dict:
     def r(x: float) -> float | None:
-        return round(x, 6) if _finite(x) else None
+        return round(x, 6) if finite(x) else None
     return {"decision": step.decision, "pairs": step.pairs, "gain": r(step.gain),
             "standardError": r(step.standard_error), "t": r(step.t),
             "critical": r(step.critical), "interval": [r(step.low), r(step.high)],
@@ -805,9 +664,9 @@ def _decide(s: _Step) -> Decision:
             return _follow_up(s, "its pairs showed a gain")
         s.condition(Condition.PROMOTED, False, Reason.PROMOTING,
                     "Comparing against the master under its lock.")
-        s.intents.append(Intent("promote", {
-            "run": st.get("run"), "val_bpb": val, "margin": float("-inf"),
-            "places": {str(i + 1): c for i, c in enumerate(p["candidate"])}}))
+        s.intents.append(Promote(
+            run=st.get("run"), val_bpb=val, margin=float("-inf"),
+            places={str(i + 1): c for i, c in enumerate(p["candidate"])}))
         return s.decision()
     if w.promotion is not None and not w.promotion.promoted \
             and w.promotion.reason == Reason.MASTER_MOVED:
@@ -904,9 +763,9 @@ def _follow_up(s: _Step, why: str) -> Decision:
         row = ledger_row(w.name, w.spec, {**st, "phase": SUCCEEDED, "outcome": "",
                                           "reason": Reason.FOLLOW_UP, "message": msg})
         if not w.recorded:
-            s.intents.append(Intent("record", {"row": row}))
+            s.intents.append(Record(row))
     if job:
-        s.intents.append(Intent("cleanup-run", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(CleanupRun(run=job["name"], backend=job["backend"]))
     st.setdefault("attempts", []).append({"run": main, "parentHash": parent, "val_bpb": val,
                                           "pairs": len(p.get("candidate") or [])})
     for k in ("job", "metrics", figures.STATUS_FIELD, "delta", "masterValBpb", "parentValBpb",
@@ -925,7 +784,7 @@ def _reconcile_deleting(s: _Step) -> Decision:
         return _settle_terminal(s, deleting=True)
     job = st.get("job")
     if job and w.run is not None and w.run.state in ("queued", "running"):
-        s.intents.append(Intent("cancel", {"run": job["name"], "backend": job["backend"]}))
+        s.intents.append(Cancel(run=job["name"], backend=job["backend"]))
         return s.decision()
     if job and w.run is not None and w.run.state in ("succeeded", "failed", "error", "lost"):
         # It finished before the cancel landed: the result is real, record it.
@@ -940,137 +799,11 @@ def _reconcile_deleting(s: _Step) -> Decision:
 def _settle_terminal(s: _Step, deleting: bool = False) -> Decision:
     w = s.w
     if not w.recorded:
-        s.intents.append(Intent("record", {"row": ledger_row(w.name, w.spec, s.st)}))
+        s.intents.append(Record(ledger_row(w.name, w.spec, s.st)))
     if w.worktree:
-        s.intents.append(Intent("cleanup"))
+        s.intents.append(Cleanup())
     done = w.recorded and not w.worktree
     return s.decision(finalized=done and deleting)
-
-
-# --- the ledger row ---------------------------------------------------------------------------
-
-def ledger_row(name: str, spec: ExperimentSpec | None, st: dict) -> dict:
-    """The ledger row of a terminal experiment (created_at and worker_id come from the shell)."""
-    metrics = st.get("metrics") or {}
-    job = st.get("job") or {}
-    phase = st.get("phase", "")
-    status = phase.lower()
-    if phase == FAILED and st.get("reason") in NOT_MEASURED:
-        status = "error"  # not a measurement of the candidate: it may run again
-    if st.get("outcome") == UNDECIDED:
-        status = "undecided"  # not a measured rejection either: applied again, it continues
-
-    def num(key: str) -> str:
-        v = metrics.get(key)
-        return "" if v is None else str(v)
-
-    row = {
-        "run_id": st.get("run") or job.get("name") or run_name(name),
-        "status": status,
-        "job_id": job.get("id", ""),
-        "campaign": spec.campaign if spec else "",
-        "experiment_id": name,
-        "worker_id": job.get("worker", ""),
-        "hypothesis": spec.hypothesis if spec else "",
-        "parent_hash": st.get("parentHash") or (spec.parent if spec else ""),
-        "candidate_hash": st.get("candidateHash", ""),
-        "val_bpb": num("val_bpb"),
-        "training_seconds": num("training_seconds"),
-        "total_seconds": num("total_seconds"),
-        "peak_vram_mb": num("peak_vram_mb"),
-        "mfu_percent": num("mfu_percent"),
-        "promoted": "1" if st.get("outcome") == PROMOTED else "0",
-        "comment": st.get("message", ""),
-        "semantic_hash": st.get("semanticHash", ""),
-        "outcome": st.get("outcome", ""),
-        "delta": "" if st.get("delta") is None else str(st["delta"]),
-        "rebased_from": st.get("rebasedFrom", ""),
-        "duplicate_of": st.get("duplicateOf", ""),
-        "backend": job.get("backend", ""),
-        "reason": st.get("verdict") or st.get("reason", ""),
-    }
-    row[figures.COLUMN] = _own_columns(figures.of_status(st), row)
-    return row
-
-
-def pair_row(name: str, spec: ExperimentSpec | None, st: dict, job: dict,
-             run: RunObservation, val: float | None, status: str | None = None) -> dict:
-    """The ledger row of one pair run after the first (status `confirm`; `failed` if the
-    candidate failed it), or of any run lost for a reason outside the candidate (`lost`: not
-    a measurement; its place is run again). A master's run carries the master's hash: it
-    measures that program.
-    """
-    program = job.get("program", "candidate")
-    metrics = (run.result or {}).get("metrics") or {}
-    status = status or ("confirm" if val is not None else "failed")
-    row = {"run_id": job["name"], "status": status, "job_id": run.job_id or job.get("id", ""),
-           "campaign": spec.campaign if spec else "", "experiment_id": name,
-           "worker_id": run.worker or job.get("worker", ""),
-           "hypothesis": (f"Lost run of {name}: the {program} at place {job.get('place')}."
-                          if status == "lost" else
-                          f"Pair run of {name}: the {program} at place {job.get('place')}."),
-           "parent_hash": st.get("parentHash", ""),
-           "candidate_hash": st.get("candidateHash", "") if program == "candidate"
-           else st.get("parentHash", ""),
-           "semantic_hash": st.get("semanticHash", "") if program == "candidate" else "",
-           "val_bpb": "" if val is None else str(val), "promoted": "0",
-           "comment": "" if val is not None else ((run.result or {}).get("reason")
-                                                   or run.message),
-           "outcome": "", "backend": job.get("backend", ""),
-           "reason": "" if val is not None else ((run.result or {}).get("reason_code") or ""),
-           "rebased_from": "", "duplicate_of": "", "delta": ""}
-    for k in FIGURE_COLUMNS[1:]:  # after val_bpb, set above
-        row[k] = "" if metrics.get(k) is None else str(metrics[k])
-    row[figures.COLUMN] = _own_columns(set(figures.of_result(run.result, metrics)), row)
-    return row
-
-
-FIGURE_COLUMNS = figures.LEDGER_FIGURES
-
-
-def _own_columns(own: set[str], row: dict) -> str:
-    """The ledger's self_reported cell: the row's filled figure columns that are the candidate's."""
-    return figures.column(k for k in FIGURE_COLUMNS if k in own and row.get(k, "") != "")
-
-
-def carried_values(rows: list[dict], candidate_hash: str, parent_hash: str,
-                   name: str) -> tuple[tuple[str, ...], dict] | None:
-    """What unfinished decisions of this candidate on this master measured (`World.carried`).
-
-    From the ledger `rows`: experiments other than `name` whose verdict row says `undecided` or
-    `error` (no verdict: runs lost, the machine) for `candidate_hash`, and their runs of that
-    program on `parent_hash` with a value, by place: `exp-<e>-<attempt>` is place 1,
-    `exp-<e>-<attempt>-p<i>` place i (a `-t<k>` retry is the same place). None: nothing.
-    """
-    if not candidate_hash or not parent_hash:
-        return None
-    unfinished = []
-    for r in rows:
-        e = r.get("experiment_id") or ""
-        if r.get("candidate_hash") == candidate_hash and e != name and e not in unfinished \
-                and r.get("status") in ("undecided", "error") \
-                and r.get("run_id", "").startswith(f"exp-{e}-"):
-            unfinished.append(e)
-    values: dict[int, float] = {}
-    for r in rows:
-        e = r.get("experiment_id") or ""
-        if e not in unfinished or r.get("candidate_hash") != candidate_hash \
-                or r.get("parent_hash") != parent_hash:
-            continue
-        rest = (r.get("run_id") or "")[len(f"exp-{e}-"):].split("-")
-        if rest and rest[-1][:1] == "t" and rest[-1][1:].isdigit():
-            rest = rest[:-1]
-        if not rest or not rest[0].isdigit() or len(rest) > 2 \
-                or (len(rest) == 2 and not (rest[1][:1] == "p" and rest[1][1:].isdigit())):
-            continue
-        place = int(rest[1][1:]) if len(rest) == 2 else 1
-        try:
-            val = float(r.get("val_bpb") or "")
-        except ValueError:
-            continue
-        if _finite(val):
-            values.setdefault(place, val)
-    return (tuple(unfinished), values) if values else None
 
 
 # --- the baseline of a master that has no metric yet ------------------------------------------
@@ -1082,25 +815,6 @@ def baseline_run_name(lab: str, master: Master, attempt: int = 1) -> str:
     """`baseline-<lab>-<master hash>-<attempt>`: unique per lab (two Labs share a namespace)
     and per attempt (each attempt has its own ledger row); at most 63 characters."""
     return f"baseline-{lab[:36]}-{master.hash[:10]}-{attempt}"
-
-
-def master_run_row(master: Master, run: RunObservation) -> tuple[dict, float | None]:
-    """The ledger row of a finished run of the master itself (a baseline, a noise run) and
-    its val_bpb (None: the run failed; the row says `error`)."""
-    val = ((run.result or {}).get("metrics") or {}).get("val_bpb")
-    ok = run.state == "succeeded" and _finite(val)
-    row = {"run_id": run.name, "status": "baseline" if ok else "error", "job_id": run.job_id,
-           "campaign": "", "experiment_id": "baseline", "worker_id": run.worker,
-           "hypothesis": "Measure the master as it stands.", "parent_hash": master.hash,
-           "candidate_hash": master.hash, "semantic_hash": master.semantic_hash,
-           "comment": "" if ok else ((run.result or {}).get("reason") or run.message),
-           "reason": "" if ok else ((run.result or {}).get("reason_code") or "BaselineFailed")}
-    metrics = (run.result or {}).get("metrics") or {}
-    for k in FIGURE_COLUMNS:  # the ledger's metric columns; None (not measured): empty
-        if k in metrics:
-            row[k] = "" if metrics[k] is None else str(metrics[k])
-    row[figures.COLUMN] = _own_columns(set(figures.of_result(run.result, metrics)), row)
-    return row, (val if ok else None)
 
 
 def noise_run_name(lab: str, master: Master, place: int, kind: str = "p") -> str:
@@ -1121,14 +835,14 @@ def reconcile_baseline(master: Master, run: RunObservation | None, slot: str | N
         return []
     name = run.name
     if run.state == "missing":
-        return [Intent("submit", {"run": name, "slot": slot})] if slot is not None else []
+        return [Submit(run=name, slot=slot)] if slot is not None else []
     if run.state in ("queued", "running"):
         return []
     row, val = master_run_row(master, run)
     ok = val is not None
-    out = [] if recorded else [Intent("record", {"row": row})]
+    out = [] if recorded else [Record(row)]
     if ok:
-        out.append(Intent("set-master-metric", {"val_bpb": val, "run": name}))
+        out.append(SetMasterMetric(val_bpb=val, run=name))
     else:
-        out.append(Intent("resubmit-baseline", {"run": name, "reason": row["comment"]}))
+        out.append(ResubmitBaseline(run=name, reason=row["comment"]))
     return out

@@ -19,6 +19,7 @@ from filelock import FileLock
 
 from controller.core.diffs import DiffRefused
 from controller.core.hashing import candidate_hash, semantic_hash
+from controller.core.intents import Promotion
 from controller.core.reconcile import Master, PromotionResult, promotion_refused
 from controller.core.spec import LabSpec, SpecUnreadable
 from controller.lab.files import atomic_write
@@ -91,10 +92,14 @@ class RepoMaster:
                               f"({', '.join(h[:12] for h in hits)}); give more hex digits")
         return next(iter(hits.values()))
 
-    def set_master_metric(self, val_bpb: float, places: dict | None = None) -> None:
-        """The baseline: the master's val_bpb, and its value at place 1 (where it ran)."""
+    def set_master_metric(self, val_bpb: float, places: dict | None = None,
+                          master_hash: str | None = None) -> None:
+        """The baseline: the master's val_bpb, and its value at place 1 (where it ran); only
+        while `master_hash` (where given) is still the master."""
         with self._master_lock:
             d = self.master_doc()
+            if master_hash is not None and d["hash"] != master_hash:
+                return
             if d.get("val_bpb") is not None and (places is None or d.get("places")):
                 return
             if d.get("val_bpb") is None:
@@ -120,6 +125,11 @@ class RepoMaster:
                     h["places"] = d["places"]
             self._write(d)
             return True
+
+    def promote_candidate(self, p: Promotion) -> PromotionResult:
+        """The engine's compare-and-swap (`MasterOfRecord`): `promote`, of a `Promotion`."""
+        return self.promote(p.name, p.commit, p.val_bpb, p.hashes, p.parent, p.now, p.margin,
+                            p.against, p.places)
 
     def promote(self, name: str, commit: str, val_bpb: float, hashes: tuple[str, str],
                 parent: str, now: str, margin: float | None = None,
