@@ -228,12 +228,12 @@ def test_copying_leaves_out_links_fifos_and_stops_at_the_limit(bench, tmp_path):
     os.symlink("/etc/passwd", src / "a" / "passwd")
     os.symlink(src / "a", src / "dirlink")
     os.mkfifo(src / "a" / "fifo")
-    files, size = bench.run._copy_tree(src, tmp_path / "dst", limit=100, max_files=10)
+    files, size = bench.harness.compile_cache._copy_tree(src, tmp_path / "dst", limit=100, max_files=10)
     assert (files, size) == (1, 10)
     assert tree(tmp_path / "dst") == {"a/b/f": b"x" * 10}
     assert not any(p.is_symlink() for p in (tmp_path / "dst").rglob("*"))
-    with pytest.raises(bench.run._TooBig):
-        bench.run._copy_tree(src, tmp_path / "dst2", limit=9, max_files=10)
+    with pytest.raises(bench.harness.compile_cache._TooBig):
+        bench.harness.compile_cache._copy_tree(src, tmp_path / "dst2", limit=9, max_files=10)
 
 
 def test_the_option_takes_a_sha1_and_nothing_else(bench, tmp_path):

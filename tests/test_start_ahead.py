@@ -144,7 +144,7 @@ def test_a_gate_that_never_opens_is_an_error_not_the_candidates_crash(bench, tmp
     then dies; that death is not its verdict. The bound, 30 minutes, is cut to 3 s here."""
     gate = tmp_path / "gate"
     gate.write_text("busy\n")
-    monkeypatch.setattr(bench.run, "GATE_LIMIT_SECONDS", 3.0)
+    monkeypatch.setattr(bench.harness.stream, "GATE_LIMIT_SECONDS", 3.0)
     result = bench.run.run_candidate(TRAIN, tmp_path / "r.json", source="synthetic", budget=2,
                                      sandbox_request="none", gate=gate, echo=False)
     assert (result["status"], result["reason_code"]) == ("error", "HarnessError"), result["reason"]

@@ -65,7 +65,7 @@ import time
 import weakref
 from pathlib import Path
 
-from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
+from controller.lab.harness import (HarnessError, git_bytes, pinned_files,  # noqa: F401
                                     pinned_harness, starting_program)
 from controller.backends import RunRequest
 from controller.core.reconcile import RunObservation
@@ -236,10 +236,13 @@ class LocalBackend:
                 "--unsafe-no-sandbox for candidates you trust")
 
     def restore_bench(self) -> list[str]:
-        """Put the lab's harness files (bench/prepare.py, ...) back as git has them; the ones that
-        had changed. (Runs never use them: a change means something escaped a sandbox, or ran
-        without one.)"""
-        paths = [f"bench/{n}" for n in HARNESS_FILES]
+        """Put the lab's harness files (every file its manifest lists, bench/HARNESS itself) back
+        as git has them; the ones that had changed. (Runs never use them: a change means
+        something escaped a sandbox, or ran without one.)"""
+        try:
+            paths = [f"bench/{n}" for n in pinned_files(self.root)]
+        except HarnessError:
+            return []  # no first commit: no harness to restore
         st = git_bytes(self.root, "status", "--porcelain", "--", *paths)
         changed = [line[3:] for line in st.stdout.decode(errors="replace").splitlines() if line.strip()]
         if changed:
