@@ -248,7 +248,7 @@ def test_the_option_takes_a_sha1_and_nothing_else(bench, tmp_path):
 
 # The harness as it was before --starting-program (a lab made then pinned these files).
 BEFORE_WARM_UP = "2f56e3cc9ff5e52010487dab1085d3d775a81e73"
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")  # what a lab pinned then
 
 
 def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):
@@ -267,6 +267,9 @@ def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):
         if old.returncode != 0:
             pytest.skip(f"this checkout has no commit {harness_from[:12]} (a shallow clone)")
         (src / name).write_bytes(old.stdout)
+    if harness_from:  # that commit's bench/ had no manifest and no harness modules beside run.py
+        for path in (src / "HARNESS", *src.glob("harness_*.py")):
+            path.unlink()
     monkeypatch.setattr(init, "bench_source_dir", lambda: src)
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2, min_delta=0)
     lab.repo.set_master_metric(9.9)

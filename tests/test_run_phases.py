@@ -653,7 +653,7 @@ def test_a_container_mode_candidate_cannot_make_its_train_record_unwritable(benc
 # stream), could void every unlucky draw and keep the lucky ones. Three ways it could:
 #
 # * curve.jsonl with an integer too large for a float: math.isfinite raised OverflowError in
-#   run.py's _curve (a harness error before the evaluation);
+#   harness_files.py's _curve (a harness error before the evaluation);
 # * stats.json nested thousands deep: json.loads raised RecursionError, which _json_object did not
 #   catch (ValueError only), and stats.json with such an integer (OverflowError in _number);
 # * on a machine without a GPU, an export whose weights claim a CUDA device: the evaluator blamed

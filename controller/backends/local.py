@@ -24,9 +24,9 @@ result then says.
 
 Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
 train.py>`, so that it starts with a copy of the compile cache the first run of
-that program kept (bench/run.py says why only that program's is kept). On a
-machine where that program never ran (a lab resumed on a new GPU host, its
-master measured elsewhere) there is no such cache, so each run also gets the
+that program kept (bench/harness_compile_cache.py says why only that program's
+is kept). On a machine where that program never ran (a lab resumed on a new GPU
+host, its master measured elsewhere) there is no such cache, so each run also gets the
 program's bytes, `starting.py` in its directory (the first commit's blob, read
 from git like the pinned harness), with `--starting-program`: a harness that
 finds no kept cache runs them first, in its sandbox, up to their first batch,
@@ -150,7 +150,7 @@ UNSAFE_ENV = "AUTOLAB_UNSAFE_NO_SANDBOX"
 
 
 def result_signature(key: bytes, result: dict) -> str:
-    """HMAC-SHA256 over the result without its signature (bench/run.py's `signature`)."""
+    """HMAC-SHA256 over the result without its signature (bench/harness_result.py's `signature`)."""
     body = {k: v for k, v in result.items() if k != "signature"}
     return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
                     hashlib.sha256).hexdigest()

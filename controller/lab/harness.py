@@ -88,7 +88,7 @@ def _first_commit(root: Path) -> str | None:
 
 def starting_program(root: Path, surface: str = "bench/train.py") -> bytes | None:
     """The bytes of the lab's starting train.py (its first commit's surface): its owner's code, the
-    one program whose compile cache every run may start from (bench/run.py, COMPILE_SEEDS), and
+    one program whose compile cache every run may start from (bench/harness_compile_cache.py, COMPILE_SEEDS), and
     the one a harness may run, before a candidate, to build that cache on a machine that has none."""
     commit = _first_commit(root)
     if commit is None:
