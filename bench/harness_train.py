@@ -20,8 +20,8 @@ from typing import Any
 import prepare  # the trusted one, next to this file
 import sandbox  # the trusted one, next to this file
 from harness_candidate import Watch, _harness_env, _last_words, _memory_limit, _run_sandboxed, _survivors
-from harness_common import (BENCH_DIR, EXPORT_LIMIT_BYTES, harness_files, LOG_LIMIT_BYTES, Outcome, RunLog,
-                            STATS_LIMIT_BYTES, _sha256, budget_slack)
+from harness_common import (BENCH_DIR, EXPORT_LIMIT_BYTES, LOG_LIMIT_BYTES, STATS_LIMIT_BYTES, Outcome, RunLog,
+                            _sha256, budget_slack, harness_files)
 from harness_compile_cache import CACHE_DIRS, _chown_tree, _seed_compile_cache
 from harness_files import _copy_regular, _curve, _json_object, _regular_file
 from harness_stream import DataServer, Gate

@@ -115,8 +115,8 @@ def _own_modules() -> None:
 _own_modules()
 
 import prepare  # noqa: E402  (the trusted one, next to this file)
-from harness_common import (EXIT_CODES, EXIT_HARNESS_ERROR, EXIT_SUCCEEDED, KEY_LIMIT_BYTES,  # noqa: E402
-                            PHASES, SANDBOX_MODES, TERMINATION_LOG)
+from harness_common import (EXIT_CANDIDATE_FAILED, EXIT_CODES, EXIT_HARNESS_ERROR,  # noqa: E402,F401  (its exit codes)
+                            EXIT_SUCCEEDED, KEY_LIMIT_BYTES, PHASES, SANDBOX_MODES, TERMINATION_LOG)
 from harness_files import _regular_file  # noqa: E402
 from harness_one_run import run_candidate  # noqa: E402
 from harness_phases import evaluate_phase, stage_data, train_phase  # noqa: E402

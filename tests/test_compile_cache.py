@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.lab.harness import LEGACY_HARNESS_FILES
 from controller.lab.ledger import Ledger
 from labkit import spec_from_edit
 from test_run_phases import BENCH, TRAIN, bench, env_for  # noqa: F401  (the module fixture)
@@ -248,7 +249,7 @@ def test_the_option_takes_a_sha1_and_nothing_else(bench, tmp_path):
 
 # The harness as it was before --starting-program (a lab made then pinned these files).
 BEFORE_WARM_UP = "2f56e3cc9ff5e52010487dab1085d3d775a81e73"
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")  # what a lab pinned then
+HARNESS_FILES = LEGACY_HARNESS_FILES  # what a lab pinned then
 
 
 def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):

@@ -134,3 +134,15 @@ def test_editing_any_harness_file_in_the_labs_bench_changes_nothing_that_measure
     assert result["status"] == "succeeded", result["reason"]
     assert cmd[cmd.index("-I") + 1] == str(pinned / "run.py")
     assert harness_digest(pinned) == digest
+
+
+def test_run_py_imports_its_modules_from_its_own_directory_whatever_the_working_directory_holds(tmp_path):
+    """`python -I run.py` from a directory full of modules named like the harness's (a candidate's
+    scratch is its working directory when it runs unsandboxed): none of them is imported."""
+    for name in [*harness_files(BENCH), "prepare.py", "sandbox.py"]:
+        if name.endswith(".py") and name != "run.py":
+            (tmp_path / name).write_text("raise SystemExit('imported the wrong ' + __file__)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-I", str(BENCH / "run.py"), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--candidate" in done.stdout, done.stdout + done.stderr
