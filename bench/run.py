@@ -100,7 +100,7 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR))  # -I left it off: the siblings come from here, first (see above)
 
 
 def _own_modules() -> None:
