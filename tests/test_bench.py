@@ -54,7 +54,9 @@ def bench(tmp_path_factory):
     spec.loader.exec_module(run)
     evaluate = importlib.import_module("evaluate")
     assert prepare.PROFILE == "tiny"
-    yield types.SimpleNamespace(prepare=prepare, run=run, evaluate=evaluate, cache=cache)
+    harness = types.SimpleNamespace(**{name.removeprefix("harness_"): module for name, module in sys.modules.items()
+                                       if name.startswith("harness_")})  # run.py's modules, by concern
+    yield types.SimpleNamespace(prepare=prepare, run=run, harness=harness, evaluate=evaluate, cache=cache)
     mp.undo()
 
 
@@ -652,7 +654,7 @@ def test_a_zombie_left_by_the_candidate_has_exited_and_is_not_a_survivor(bench):
             if Path(f"/proc/{zombie}/stat").read_text().split(") ")[1].startswith("Z"):
                 break
             time.sleep(0.01)
-        assert bench.run._living([zombie, alive.pid, 2**22 + 1]) == [alive.pid]
+        assert bench.harness.candidate._living([zombie, alive.pid, 2**22 + 1]) == [alive.pid]
     finally:
         alive.send_signal(signal.SIGKILL)
         alive.wait()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.lab.harness import LEGACY_HARNESS_FILES
 from controller.lab.ledger import Ledger
 from labkit import spec_from_edit
 from test_run_phases import BENCH, TRAIN, bench, env_for  # noqa: F401  (the module fixture)
@@ -228,12 +229,12 @@ def test_copying_leaves_out_links_fifos_and_stops_at_the_limit(bench, tmp_path):
     os.symlink("/etc/passwd", src / "a" / "passwd")
     os.symlink(src / "a", src / "dirlink")
     os.mkfifo(src / "a" / "fifo")
-    files, size = bench.run._copy_tree(src, tmp_path / "dst", limit=100, max_files=10)
+    files, size = bench.harness.compile_cache._copy_tree(src, tmp_path / "dst", limit=100, max_files=10)
     assert (files, size) == (1, 10)
     assert tree(tmp_path / "dst") == {"a/b/f": b"x" * 10}
     assert not any(p.is_symlink() for p in (tmp_path / "dst").rglob("*"))
-    with pytest.raises(bench.run._TooBig):
-        bench.run._copy_tree(src, tmp_path / "dst2", limit=9, max_files=10)
+    with pytest.raises(bench.harness.compile_cache._TooBig):
+        bench.harness.compile_cache._copy_tree(src, tmp_path / "dst2", limit=9, max_files=10)
 
 
 def test_the_option_takes_a_sha1_and_nothing_else(bench, tmp_path):
@@ -248,7 +249,7 @@ def test_the_option_takes_a_sha1_and_nothing_else(bench, tmp_path):
 
 # The harness as it was before --starting-program (a lab made then pinned these files).
 BEFORE_WARM_UP = "2f56e3cc9ff5e52010487dab1085d3d775a81e73"
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+HARNESS_FILES = LEGACY_HARNESS_FILES  # what a lab pinned then
 
 
 def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):
@@ -267,6 +268,9 @@ def resumed_lab(tmp_path: Path, monkeypatch, harness_from: str | None = None):
         if old.returncode != 0:
             pytest.skip(f"this checkout has no commit {harness_from[:12]} (a shallow clone)")
         (src / name).write_bytes(old.stdout)
+    if harness_from:  # that commit's bench/ had no manifest and no harness modules beside run.py
+        for path in (src / "HARNESS", *src.glob("harness_*.py")):
+            path.unlink()
     monkeypatch.setattr(init, "bench_source_dir", lambda: src)
     lab = init_lab(tmp_path / "lab", profile="tiny", data="synthetic", budget=2, min_delta=0)
     lab.repo.set_master_metric(9.9)

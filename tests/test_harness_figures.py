@@ -111,33 +111,33 @@ def test_a_candidate_claiming_99_9_mfu_and_1_mb_gets_the_harness_figures_recorde
 
 
 def test_without_a_driver_gpu_memory_is_empty_on_a_cpu_and_the_candidates_on_a_gpu(bench):
-    run = bench.run
+    own_figures = bench.harness.figures
     evaluation = {"val_bpb": 1.0, "num_params": 10, "flops_per_token": 60, "depth": None,
                   "device_name": None}
     stats = {"peak_vram_mb": 1.0, "num_steps": 7, "depth": 3, "mfu_percent": 99.9}
     unread = {"peak_mb": None, "how": None, "samples": 0}
-    metrics, own = run._metrics(stats, evaluation, training=2.0, total=3.0, tokens=100, gpu=unread,
-                                had_gpu=False)
+    metrics, own = own_figures._metrics(stats, evaluation, training=2.0, total=3.0, tokens=100, gpu=unread,
+                                    had_gpu=False)
     assert metrics["peak_vram_mb"] is None and metrics["mfu_percent"] is None
     assert (metrics["num_steps"], metrics["depth"], own) == (7, 3, ["num_steps", "depth"])
-    metrics, own = run._metrics(stats, evaluation, training=2.0, total=3.0, tokens=100, gpu=unread,
-                                had_gpu=True)
+    metrics, own = own_figures._metrics(stats, evaluation, training=2.0, total=3.0, tokens=100, gpu=unread,
+                                    had_gpu=True)
     assert metrics["peak_vram_mb"] == 1.0 and own == ["peak_vram_mb", "num_steps", "depth"], \
         "a GPU whose driver hides the candidate's processes: its figure, as its own"
 
 
 def test_a_gpu_is_known_by_its_name_and_mfu_follows_from_the_harness_figures(bench):
-    run = bench.run
-    assert run.peak_flops("NVIDIA H100 80GB HBM3") == run.peak_flops("NVIDIA H200") == 989.5e12
-    assert run.peak_flops("NVIDIA H100 PCIe") == 756e12 and run.peak_flops("NVIDIA H100 NVL") == 835e12
-    assert run.peak_flops("NVIDIA L40S") == 362.05e12 and run.peak_flops("NVIDIA L4") == 121e12
-    assert run.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert run.peak_flops("Tesla T4") is None and run.peak_flops(None) is None
+    own_figures = bench.harness.figures
+    assert own_figures.peak_flops("NVIDIA H100 80GB HBM3") == own_figures.peak_flops("NVIDIA H200") == 989.5e12
+    assert own_figures.peak_flops("NVIDIA H100 PCIe") == 756e12 and own_figures.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert own_figures.peak_flops("NVIDIA L40S") == 362.05e12 and own_figures.peak_flops("NVIDIA L4") == 121e12
+    assert own_figures.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert own_figures.peak_flops("Tesla T4") is None and own_figures.peak_flops(None) is None
     # 1e6 tokens of 1e9 FLOPs in 10 s on 989.5 TFLOP/s
-    assert run.harness_mfu(10**6, 10.0, 10**9, "NVIDIA H200") == round(100 * 1e14 / 989.5e12, 2)
-    assert run.harness_mfu(10**6, 10.0, 10**9, None) is None
-    assert run.harness_mfu(10**6, 10.0, None, "NVIDIA H200") is None
-    assert run.harness_mfu(10**6, 0.0, 10**9, "NVIDIA H200") is None
+    assert own_figures.harness_mfu(10**6, 10.0, 10**9, "NVIDIA H200") == round(100 * 1e14 / 989.5e12, 2)
+    assert own_figures.harness_mfu(10**6, 10.0, 10**9, None) is None
+    assert own_figures.harness_mfu(10**6, 10.0, None, "NVIDIA H200") is None
+    assert own_figures.harness_mfu(10**6, 0.0, 10**9, "NVIDIA H200") is None
 
 
 def recorded_default_runs() -> list[dict]:
@@ -153,8 +153,8 @@ def test_the_harness_mfu_of_recorded_h200_runs_agrees_with_train_py_at_the_defau
     assert len(runs) >= 10
     for r in runs:
         t, m = r["timing"], r["metrics"]
-        ours = bench.run.harness_mfu(t["tokens_served"], t["training_seconds"], DEFAULT_FLOPS_PER_TOKEN,
-                                     "NVIDIA H200")
+        ours = bench.harness.figures.harness_mfu(t["tokens_served"], t["training_seconds"],
+                                                  DEFAULT_FLOPS_PER_TOKEN, "NVIDIA H200")
         # The tokens served are the ones trained on and the loader's read-ahead: at most 8 batches.
         trained = m["num_steps"] * 2**19
         assert 0 <= t["tokens_served"] - trained <= 8 * (128 * 2048 + 1), r.get("run")

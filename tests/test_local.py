@@ -183,7 +183,7 @@ def test_killed_controller_adopts_its_run_and_records_it_once(tmp_path):
         _wait(lambda: _phase(lab.root, "warmdown") == "Running", 240, "the run to start")
         launch = json.loads((lab.root / ".autolab/runs/exp-warmdown-1/launch.json").read_text())
         # Every run may start from the compile cache of the lab's starting program, named by
-        # the sha1 of the first commit's train.py (bench/run.py: COMPILE_SEEDS).
+        # the sha1 of the first commit's train.py (bench/harness_compile_cache.py: COMPILE_SEEDS).
         first_commit = subprocess.run(["git", "rev-list", "--max-parents=0", "autolab/master"], cwd=lab.root,
                                       capture_output=True, text=True).stdout.split()[-1]
         starting = subprocess.run(["git", "show", f"{first_commit}:bench/train.py"], cwd=lab.root,

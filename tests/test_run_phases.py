@@ -30,13 +30,14 @@ from pathlib import Path
 import pytest
 
 from controller.backends.results import authentic, result_signature
+from controller.lab.harness import harness_files
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 TRAIN = BENCH / "train.py"
 BUDGET = 2.5
 KEY = b"0123456789abcdef" * 4
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+HARNESS_FILES = harness_files(BENCH)  # every file bench/HARNESS lists, and the manifest
 
 
 def env_for(cache: Path, **extra: str) -> dict[str, str]:
@@ -54,6 +55,12 @@ def run_py(harness: Path, cache: Path, *args: str | Path, timeout: float = 300,
                           timeout=timeout)
 
 
+def harness_modules() -> types.SimpleNamespace:
+    """The harness's modules run.py imported, by concern: `.figures` is bench/harness_figures.py."""
+    return types.SimpleNamespace(**{name.removeprefix("harness_"): module for name, module in sys.modules.items()
+                                    if name.startswith("harness_")})
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """run.py imported with the tiny profile (for its functions and constants)."""
@@ -69,8 +76,9 @@ def bench(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("autolab_run_phases", BENCH / "run.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
-    assert run.prepare.PROFILE == "tiny"
-    yield types.SimpleNamespace(run=run, prepare=run.prepare, sandbox=run.sandbox, cache=cache)
+    assert sys.modules["prepare"].PROFILE == "tiny"
+    yield types.SimpleNamespace(run=run, prepare=sys.modules["prepare"], sandbox=sys.modules["sandbox"],
+                                harness=harness_modules(), cache=cache)
     mp.undo()
 
 
@@ -147,14 +155,14 @@ def test_train_then_evaluate_in_two_processes_gives_a_succeeded_signed_result(be
     assert authentic(result, b"another key", "exp-x-1", result["candidate_sha1"]) is not None
     metrics = result["metrics"]
     assert 0 < metrics["val_bpb"] < 10 and metrics["total_tokens_M"] > 0
-    assert metrics["training_seconds"] <= BUDGET + bench.run.budget_slack(BUDGET)
+    assert metrics["training_seconds"] <= BUDGET + bench.harness.common.budget_slack(BUDGET)
     assert "model exported" in train.stdout and "[evaluate]" in evaluate.stdout
     prof = bench.prepare.PROFILES["tiny"]
     assert result["limits"] == {
         "budget_seconds": BUDGET, "startup_allowance_seconds": prof.startup_allowance,
         "export_allowance_seconds": prof.export_allowance,
-        "train_phase_seconds": round(prof.startup_allowance + BUDGET + bench.run.budget_slack(BUDGET)
-                                     + prof.export_allowance + bench.run.TRAIN_PHASE_OVERHEAD, 1)}
+        "train_phase_seconds": round(prof.startup_allowance + BUDGET + bench.harness.common.budget_slack(BUDGET)
+                                     + prof.export_allowance + bench.harness.common.TRAIN_PHASE_OVERHEAD, 1)}
     # Timed in the candidate's own container, the figures are informational; in bubblewrap not.
     assert ("training_seconds" in result["self_reported"]) == (sandbox == "container")
     assert Path(result["curve"]).read_text().strip()
@@ -229,16 +237,16 @@ def test_phase_arguments_are_checked_before_anything_runs(tmp_path):
 
 
 def test_isolated_is_bwrap_else_a_uid_of_its_own_else_a_refusal(bench, monkeypatch):
-    run = bench.run
-    monkeypatch.setattr(run.sandbox, "available", lambda: None)
-    assert run.sandbox_mode("isolated") == "bwrap"
-    monkeypatch.setattr(run.sandbox, "available", lambda: "bubblewrap cannot create namespaces here")
-    monkeypatch.setattr(run.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(run.shutil, "which", lambda name: f"/usr/bin/{name}")
-    assert run.sandbox_mode("isolated") == "uid"
-    monkeypatch.setattr(run.os, "geteuid", lambda: 1000)
-    with pytest.raises(run.Outcome) as refused:
-        run.sandbox_mode("isolated")
+    candidate = bench.harness.candidate
+    monkeypatch.setattr(bench.sandbox, "available", lambda: None)
+    assert candidate.sandbox_mode("isolated") == "bwrap"
+    monkeypatch.setattr(bench.sandbox, "available", lambda: "bubblewrap cannot create namespaces here")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert candidate.sandbox_mode("isolated") == "uid"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(bench.harness.common.Outcome) as refused:
+        candidate.sandbox_mode("isolated")
     assert refused.value.code == "SandboxUnavailable" and refused.value.status == "error"
     assert "cannot create namespaces" in refused.value.reason and "root" in refused.value.reason
 
@@ -250,7 +258,7 @@ def uid_mode_unfit(bench, uid: int) -> str | None:
     cannot import torch with this interpreter (a clone under a 0700 directory such as /root or
     `mktemp -d`: the interpreter starts, but finds none of the clone's .venv). Asked the way the
     harness asks, with the sandbox's own boot run as that uid."""
-    why = bench.run.uid_mode_problem()
+    why = bench.harness.uid.uid_mode_problem()
     if why:
         return why
     import tempfile
@@ -260,7 +268,7 @@ def uid_mode_unfit(bench, uid: int) -> str | None:
         (where / "train.py").write_text("")
         r, w = bench.sandbox.fitness_pipe()
         try:
-            subprocess.run(bench.run._as_uid(uid, bench.sandbox.boot_argv(sys.executable, w, False,
+            subprocess.run(bench.harness.uid._as_uid(uid, bench.sandbox.boot_argv(sys.executable, w, False,
                                                                            ("numpy", "torch"))),
                            cwd=where, pass_fds=(w,), capture_output=True, timeout=120,
                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
@@ -296,13 +304,13 @@ def uid_lab(bench, tmp_path_factory):
     for name in HARNESS_FILES:
         shutil.copyfile(BENCH / name, harness / name)
     cache = root / "cache"
-    uid = next(u for u in range(62000 + os.getpid() % 500, 63000) if not bench.run.uid_processes(u))
+    uid = next(u for u in range(62000 + os.getpid() % 500, 63000) if not bench.harness.uid.uid_processes(u))
     done = run_py(harness, cache, "--phase", "stage", "--source", "synthetic",
                   "--train-data", root / "unused")
     assert done.returncode == 0, done.stdout + done.stderr
     unfit = uid_mode_unfit(bench, uid)
-    words = None if unfit is None else ("cannot import what the benchmark needs" if bench.run.uid_mode_problem() is None
-                                        else bench.run.uid_mode_problem())
+    words = None if unfit is None else ("cannot import what the benchmark needs" if bench.harness.uid.uid_mode_problem() is None
+                                        else bench.harness.uid.uid_mode_problem())
     return types.SimpleNamespace(harness=harness, cache=cache, uid=uid, root=root, unfit=unfit, unfit_words=words)
 
 
@@ -314,7 +322,7 @@ def run_as_uid(bench, lab, tmp_path: Path, candidate: Path, **kw) -> tuple[dict,
                   # directory is one the uid's preflight checks it cannot read
                   AUTOLAB_SANDBOX_UID=str(lab.uid), AUTOLAB_EARLY_EVALUATOR="1")
     result = json.loads((tmp_path / "r.json").read_text())
-    assert not bench.run.uid_processes(lab.uid)  # nothing of the candidate is left
+    assert not bench.harness.uid.uid_processes(lab.uid)  # nothing of the candidate is left
     assert done.returncode == bench.run.EXIT_CODES[result["status"]]
     return result, done.stdout
 
@@ -466,7 +474,7 @@ def test_uid_mode_refuses_when_the_candidate_could_read_the_harness(bench, uid_l
     result = json.loads((tmp_path / "r.json").read_text())
     assert done.returncode == 4 and result["reason_code"] == "SandboxUnavailable"
     assert not ran.exists()
-    if bench.run.uid_mode_problem():  # not root: uid mode is refused before anything is probed
+    if bench.harness.uid.uid_mode_problem():  # not root: uid mode is refused before anything is probed
         assert refused_here(uid_lab, result)
         return
     assert f"uid {uid_lab.uid} could read {readable}" in result["reason"]
@@ -644,7 +652,7 @@ def test_a_container_mode_candidate_cannot_make_its_train_record_unwritable(benc
 # stream), could void every unlucky draw and keep the lucky ones. Three ways it could:
 #
 # * curve.jsonl with an integer too large for a float: math.isfinite raised OverflowError in
-#   run.py's _curve (a harness error before the evaluation);
+#   harness_files.py's _curve (a harness error before the evaluation);
 # * stats.json nested thousands deep: json.loads raised RecursionError, which _json_object did not
 #   catch (ValueError only), and stats.json with such an integer (OverflowError in _number);
 # * on a machine without a GPU, an export whose weights claim a CUDA device: the evaluator blamed
@@ -681,20 +689,20 @@ def _with_before_export(tmp: Path, code: str) -> Path:
 
 
 def test_hostile_numbers_and_nesting_in_candidate_files_raise_nothing(bench):
-    run = bench.run
+    files, figures = bench.harness.files, bench.harness.figures
     huge = 10 ** 400
-    assert run._number(huge) is None and run._number(-huge) is None and run._number(3) == 3
-    assert run._json_object(b"[" * 30000 + b"]" * 30000) == {}
-    assert run._json_object(b'{"a": ' * 30000 + b"1" + b"}" * 30000) == {}
+    assert files._number(huge) is None and files._number(-huge) is None and files._number(3) == 3
+    assert files._json_object(b"[" * 30000 + b"]" * 30000) == {}
+    assert files._json_object(b'{"a": ' * 30000 + b"1" + b"}" * 30000) == {}
     line = json.dumps({"step": 10, "loss": 1.0, "tokens_per_sec": 5.0})
     raw = "\n".join([line, '{"step": 1%s, "loss": 1, "tokens_per_sec": 1}' % ("0" * 400),
                      "[" * 30000, '{"step": 1, "loss": 1, "tokens_per_sec": 1, "time": 1%s}' % ("0" * 400)])
-    assert run._curve(raw.encode()) == [json.loads(line), {"step": 1, "loss": 1, "tokens_per_sec": 1}]
+    assert files._curve(raw.encode()) == [json.loads(line), {"step": 1, "loss": 1, "tokens_per_sec": 1}]
     stats = {"peak_vram_mb": huge, "num_steps": huge, "mfu_percent": [huge]}
-    metrics, own = run._metrics(stats, {"val_bpb": 1.0, "num_params": 10}, training=1.0, total=2.0,
-                                tokens=3, gpu=None, had_gpu=True)
+    metrics, own = figures._metrics(stats, {"val_bpb": 1.0, "num_params": 10}, training=1.0, total=2.0,
+                                    tokens=3, gpu=None, had_gpu=True)
     assert metrics["peak_vram_mb"] is None and metrics["num_steps"] is None and own == []
-    assert run._reported(stats) == {}
+    assert figures._reported(stats) == {}
 
 
 @pytest.mark.parametrize("attack", ["curve-bigint", "stats-nested", "stats-bigint", "cuda-device"])

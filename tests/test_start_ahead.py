@@ -144,7 +144,7 @@ def test_a_gate_that_never_opens_is_an_error_not_the_candidates_crash(bench, tmp
     then dies; that death is not its verdict. The bound, 30 minutes, is cut to 3 s here."""
     gate = tmp_path / "gate"
     gate.write_text("busy\n")
-    monkeypatch.setattr(bench.run, "GATE_LIMIT_SECONDS", 3.0)
+    monkeypatch.setattr(bench.harness.stream, "GATE_LIMIT_SECONDS", 3.0)
     result = bench.run.run_candidate(TRAIN, tmp_path / "r.json", source="synthetic", budget=2,
                                      sandbox_request="none", gate=gate, echo=False)
     assert (result["status"], result["reason_code"]) == ("error", "HarnessError"), result["reason"]
@@ -303,9 +303,10 @@ def test_an_evaluation_slowed_beside_the_next_run_is_measured_again_alone(bench,
     not know the hand-back, or has died), the harness waits a bounded time and records that
     nothing was measured, as it did before there was a hand-back: never a wait without end."""
     harness = quick_eval_bench(tmp_path)
-    run_py = (harness / "run.py").read_text()
-    assert run_py.count("HANDBACK_WAIT_SECONDS = 60.0") == 1
-    (harness / "run.py").write_text(run_py.replace("HANDBACK_WAIT_SECONDS = 60.0", "HANDBACK_WAIT_SECONDS = 3.0"))
+    evaluator = (harness / "harness_evaluator.py").read_text()
+    assert evaluator.count("HANDBACK_WAIT_SECONDS = 60.0") == 1
+    (harness / "harness_evaluator.py").write_text(evaluator.replace("HANDBACK_WAIT_SECONDS = 60.0",
+                                                                    "HANDBACK_WAIT_SECONDS = 3.0"))
     handover, handback = tmp_path / "handover", tmp_path / "handback"
     seen = {}
 

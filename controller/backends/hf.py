@@ -93,7 +93,7 @@ from controller.backends.hf_api import (HfBackendError, LogReader, RateLimited, 
                                         token_from_secret)
 from controller.backends.hf_wire import (BOOTSTRAP, BUNDLE_LIMIT, BundleTooLarge, bundle_env,
                                          make_bundle, verify_signed_curve, verify_signed_result)
-from controller.lab.harness import HARNESS_FILES, pinned_harness
+from controller.lab.harness import harness_files, pinned_harness
 from controller.core.reconcile import RunObservation
 from controller.core.spec import LabSpec
 from controller.lab.clock import iso
@@ -322,7 +322,7 @@ class HfBackend(Backend):
         """What the job needs: the pinned harness (the lab's first commit's, never its editable
         bench/), the candidate as the surface, the entry point."""
         pinned = pinned_harness(self.root)
-        files = {f"bench/{name}": (pinned / name).read_bytes() for name in HARNESS_FILES}
+        files = {f"bench/{name}": (pinned / name).read_bytes() for name in harness_files(pinned)}
         files["bench/train.py"] = candidate_source.encode()  # the name the entry point runs
         files["bench/hf_entry.py"] = ENTRY_POINT.read_bytes()
         return files
@@ -734,7 +734,7 @@ class HfBackend(Backend):
             raise HfBackendError(f"{source} is a path on this machine; a job cannot read it "
                                  "(use hub or synthetic)")
         pinned = pinned_harness(self.root)
-        files = {f"bench/{name}": (pinned / name).read_bytes() for name in HARNESS_FILES}
+        files = {f"bench/{name}": (pinned / name).read_bytes() for name in harness_files(pinned)}
         files["bench/hf_entry.py"] = ENTRY_POINT.read_bytes()
         command = ["python3", "-c", BOOTSTRAP, "prepare", "--profile", self.lab.profile,
                    "--source", source, "--data-mount", DATA_MOUNT]

@@ -24,9 +24,9 @@ result then says.
 
 Compile caches: each run gets `--compile-cache-from <sha1 of the lab's starting
 train.py>`, so that it starts with a copy of the compile cache the first run of
-that program kept (bench/run.py says why only that program's is kept). On a
-machine where that program never ran (a lab resumed on a new GPU host, its
-master measured elsewhere) there is no such cache, so each run also gets the
+that program kept (bench/harness_compile_cache.py says why only that program's
+is kept). On a machine where that program never ran (a lab resumed on a new GPU
+host, its master measured elsewhere) there is no such cache, so each run also gets the
 program's bytes, `starting.py` in its directory (the first commit's blob, read
 from git like the pinned harness), with `--starting-program`: a harness that
 finds no kept cache runs them first, in its sandbox, up to their first batch,
@@ -64,7 +64,7 @@ import time
 import weakref
 from pathlib import Path
 
-from controller.lab.harness import (HARNESS_FILES, HarnessError, git_bytes,  # noqa: F401
+from controller.lab.harness import (HarnessError, git_bytes, pinned_files,  # noqa: F401
                                     pinned_harness, starting_program)
 from controller.backends import Backend, RunRequest
 from controller.backends.results import authentic, result_signature
@@ -230,10 +230,13 @@ class LocalBackend(Backend):
                 "--unsafe-no-sandbox for candidates you trust")
 
     def restore_bench(self) -> list[str]:
-        """Put the lab's harness files (bench/prepare.py, ...) back as git has them; the ones that
-        had changed. (Runs never use them: a change means something escaped a sandbox, or ran
-        without one.)"""
-        paths = [f"bench/{n}" for n in HARNESS_FILES]
+        """Put the lab's harness files (every file its manifest lists, bench/HARNESS itself) back
+        as git has them; the ones that had changed. (Runs never use them: a change means
+        something escaped a sandbox, or ran without one.)"""
+        try:
+            paths = [f"bench/{n}" for n in pinned_files(self.root)]
+        except HarnessError:
+            return []  # no first commit: no harness to restore
         st = git_bytes(self.root, "status", "--porcelain", "--", *paths)
         changed = [line[3:] for line in st.stdout.decode(errors="replace").splitlines() if line.strip()]
         if changed:

@@ -23,7 +23,7 @@ import json
 
 
 def result_signature(key: bytes, result: dict) -> str:
-    """HMAC-SHA256 over the result without its signature (bench/run.py's `signature`)."""
+    """HMAC-SHA256 over the result without its signature (bench/harness_result.py's `signature`)."""
     body = {k: v for k, v in result.items() if k != "signature"}
     return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
                     hashlib.sha256).hexdigest()

@@ -1,7 +1,20 @@
 """The harness a lab was made with, pinned: the git blobs of its first commit's bench/.
 
 Every backend runs this copy, never the lab's editable `bench/`, so a candidate (or a
-person) who edits `bench/prepare.py` changes nothing that measures.
+person) who edits `bench/prepare.py`, or any other harness module, changes nothing that
+measures.
+
+The harness is one versioned unit. `bench/HARNESS` (the manifest) lists its files, one a
+line: `run.py` (the entry point, `python -I run.py`), its `harness_*.py` modules of one
+concern each, `prepare.py`, `evaluate.py` and `sandbox.py`. The manifest is the one list:
+pinning, bundling a job, restoring a lab's bench/ and the harness's own check that nothing
+changed it mid-run all read it, and the pin holds over every file it lists and over the
+manifest itself. `harness_digest` names a pinned harness by one hash over all of them.
+
+A lab made before the manifest (its first commit has the four files
+`LEGACY_HARNESS_FILES` and no `bench/HARNESS`) is not migrated: it runs with the files it
+pinned, its one-file run.py, as it always did. Moving it to today's harness would change
+what measures its master mid-campaign; a new lab (`autolab init`) gets the new one.
 """
 
 from __future__ import annotations
@@ -14,7 +27,49 @@ from controller.core.errors import MachineError
 from controller.lab.files import atomic_write
 from controller.lab.paths import LabPaths
 
-HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+MANIFEST = "HARNESS"  # bench/HARNESS: the harness's files, one a line ('#' starts a comment)
+# What a lab made before the manifest pinned: the harness was one run.py and its three helpers.
+LEGACY_HARNESS_FILES = ("prepare.py", "run.py", "evaluate.py", "sandbox.py")
+
+
+class HarnessError(MachineError, RuntimeError):
+    """The lab's pinned harness cannot be had (no first commit, a file missing, a bad manifest)."""
+
+
+def manifest_files(text: str) -> tuple[str, ...]:
+    """The file names a manifest lists, in its order. Each must be a plain name in bench/ (no
+    directory, no dot file): the pin is a flat directory, and the entry point imports its
+    siblings from there."""
+    names = []
+    for raw in text.splitlines():
+        name = raw.split("#", 1)[0].strip()
+        if not name:
+            continue
+        if "/" in name or "\\" in name or name.startswith(".") or name == MANIFEST:
+            raise HarnessError(f"bench/{MANIFEST} lists {name!r}: only plain file names of bench/ may be "
+                               "listed (the manifest itself is pinned without being listed)")
+        names.append(name)
+    if "run.py" not in names:
+        raise HarnessError(f"bench/{MANIFEST} does not list run.py, the harness's entry point")
+    return tuple(names)
+
+
+def harness_files(bench: Path) -> tuple[str, ...]:
+    """Every file of the harness in the directory `bench` (a checkout's bench/, a pinned copy):
+    the manifest's files and the manifest; the four legacy files where there is no manifest."""
+    manifest = bench / MANIFEST
+    if not manifest.is_file():
+        return LEGACY_HARNESS_FILES
+    return (*manifest_files(manifest.read_text()), MANIFEST)
+
+
+def harness_digest(bench: Path) -> str:
+    """One sha256 over every file of the harness in `bench` (names and bytes, in the manifest's
+    order): two directories with the same digest measure alike."""
+    h = hashlib.sha256()
+    for name in harness_files(bench):
+        h.update(b"%s\0%s\n" % (name.encode(), hashlib.sha256((bench / name).read_bytes()).digest()))
+    return h.hexdigest()
 
 
 def git_bytes(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -26,10 +81,6 @@ def _blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-class HarnessError(MachineError, RuntimeError):
-    """The lab's pinned harness cannot be read from its first commit."""
-
-
 def _first_commit(root: Path) -> str | None:
     out = git_bytes(root, "rev-list", "--max-parents=0", "autolab/master")
     roots = out.stdout.decode().split()
@@ -38,7 +89,7 @@ def _first_commit(root: Path) -> str | None:
 
 def starting_program(root: Path, surface: str = "bench/train.py") -> bytes | None:
     """The bytes of the lab's starting train.py (its first commit's surface): its owner's code, the
-    one program whose compile cache every run may start from (bench/run.py, COMPILE_SEEDS), and
+    one program whose compile cache every run may start from (bench/harness_compile_cache.py, COMPILE_SEEDS), and
     the one a harness may run, before a candidate, to build that cache on a machine that has none."""
     commit = _first_commit(root)
     if commit is None:
@@ -53,15 +104,32 @@ def starting_program_sha1(root: Path, surface: str = "bench/train.py") -> str | 
     return hashlib.sha1(code).hexdigest() if code is not None else None
 
 
+def pinned_files(root: Path) -> tuple[str, ...]:
+    """The names of the harness files the lab pinned: those its first commit's bench/HARNESS
+    lists and the manifest, or the four legacy files where that commit has no manifest."""
+    commit = _first_commit(root)
+    if commit is None:
+        raise HarnessError(f"{root}: cannot find the lab's first commit (no branch autolab/master)")
+    return _pinned_names(root, commit)
+
+
+def _pinned_names(root: Path, commit: str) -> tuple[str, ...]:
+    out = git_bytes(root, "show", f"{commit}:bench/{MANIFEST}")
+    if out.returncode != 0:
+        return LEGACY_HARNESS_FILES  # made before the manifest: see the module docstring
+    return (*manifest_files(out.stdout.decode("utf-8")), MANIFEST)
+
+
 def pinned_harness(root: Path) -> Path:
     """The harness the lab was made with: `.autolab/harness/<commit>/`, written from the git
-    blobs of the lab's first commit and checked against them (blob ids) on every call. Runs on
-    every backend use it, never the lab's editable bench/."""
+    blobs of the lab's first commit and checked against them (blob ids) on every call, every
+    file of its manifest and the manifest too. Runs on every backend use it, never the lab's
+    editable bench/."""
     commit = _first_commit(root)
     if commit is None:
         raise HarnessError(f"{root}: cannot find the lab's first commit (no branch autolab/master)")
     pinned = LabPaths.of(root).state / "harness" / commit[:12]
-    for name in HARNESS_FILES:
+    for name in _pinned_names(root, commit):
         want = git_bytes(root, "rev-parse", f"{commit}:bench/{name}")
         if want.returncode != 0:
             raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "

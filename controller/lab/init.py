@@ -15,11 +15,14 @@ import yaml
 
 from controller.core.errors import InputError
 from controller.core.spec import API_VERSION, LabSpec
+from controller.lab.harness import harness_files
 from controller.lab.paths import LAB_FILE
 from controller.lab.repo import LabRepo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCH_FILES = ("prepare.py", "train.py", "run.py", "evaluate.py", "sandbox.py", "README.md")
+# Copied into a new lab's bench/ beside the harness (every file bench/HARNESS lists, and the
+# manifest): the surface and its readme.
+BENCH_FILES = ("train.py", "README.md")
 RESEARCH_FILES = {
     "notes.md": "# Lab notes\n\nHand-written: what we believe, what we tried, what to try next.\n",
     "do-not-repeat.md": "# Do not repeat\n\nIdeas that regressed or were duplicates, by campaign."
@@ -63,7 +66,7 @@ def make_lab(target: Path, profile: str = "default", data: str = "hub", name: st
     target.mkdir(parents=True, exist_ok=True)
     src = bench_source_dir()
     (target / "bench").mkdir(exist_ok=True)
-    for f in BENCH_FILES:
+    for f in (*harness_files(src), *BENCH_FILES):
         if (src / f).exists():
             shutil.copy2(src / f, target / "bench" / f)
     research = target / "research"

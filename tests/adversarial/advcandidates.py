@@ -1150,8 +1150,8 @@ if not _n:
 _adv_hit("edited %d prepare.py" % _n)
 """)]))
     add(C("st-harness-files", "state left for the next run",
-          "Appends the payload to run.py, evaluate.py and sandbox.py next to prepare.py, in the lab's bench/ "
-          "and in any pinned harness copy under .autolab/.",
+          "Appends the payload to run.py, its harness_*.py modules, evaluate.py, sandbox.py and the manifest "
+          "HARNESS next to prepare.py, in the lab's bench/ and in any pinned harness copy under .autolab/.",
           "All of them are out of reach (read-only /harness, lab invisible): blocked.",
           [early("""
 _g = _adv_guard() or "@@MARK@@"
@@ -1159,7 +1159,7 @@ _dirs = {_P(_prep.__file__).resolve().parent} | {(_lab / "bench").resolve() for 
 _dirs |= {_d for _lab in _adv_labs() for _d in (_lab / ".autolab").glob("harness*/**") if _d.is_dir()}
 _n = 0
 for _d in _dirs:
-    for _f in ("run.py", "evaluate.py", "sandbox.py"):
+    for _f in ("run.py", "evaluate.py", "sandbox.py", "HARNESS", *sorted(_p.name for _p in _d.glob("harness_*.py"))):
         if (_d / _f).is_file():
             try:
                 with open(_d / _f, "a") as _h:
