@@ -26,13 +26,13 @@ KINDS = {
     "controller.lab.ledger.LedgerError": MACHINE,
     "controller.lab.harness.HarnessError": MACHINE,
     "controller.lab.profiles.ProfileError": MACHINE,
-    "controller.engine.BaselineFailed": MACHINE,
+    "controller.engine.engine.BaselineFailed": MACHINE,
     "controller.backends.BackendConfigError": MACHINE,
     "controller.backends.hf_api.HfBackendError": MACHINE,
     "controller.backends.hf_wire.BundleTooLarge": INPUT,
     "controller.kube.cluster.ClusterError": MACHINE,
-    "controller.operator.LabMissing": INPUT,
-    "controller.operator.LabUnusable": INPUT,  # its Lab's spec is invalid
+    "controller.operator.runtime.LabMissing": INPUT,
+    "controller.operator.runtime.LabUnusable": INPUT,  # its Lab's spec is invalid
 }
 # Not failures a user sees: a signal to wait (429), and the API emulator's wire model.
 NOT_SHOWN = {"controller.backends.hf_api.RateLimited", "controller.kube.emulator.model.ApiError"}
