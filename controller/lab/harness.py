@@ -110,14 +110,33 @@ def pinned_files(root: Path) -> tuple[str, ...]:
     commit = _first_commit(root)
     if commit is None:
         raise HarnessError(f"{root}: cannot find the lab's first commit (no branch autolab/master)")
-    return _pinned_names(root, commit)
+    return _pinned_names(root, commit, _bench_blobs(root, commit))
 
 
-def _pinned_names(root: Path, commit: str) -> tuple[str, ...]:
-    out = git_bytes(root, "show", f"{commit}:bench/{MANIFEST}")
-    if out.returncode != 0:
+def _bench_blobs(root: Path, commit: str) -> dict[str, str]:
+    """{file name: blob id} of the files directly in `commit`'s bench/: one git call, however
+    many files the harness has (the loop pins on every pass)."""
+    out = git_bytes(root, "ls-tree", "-z", commit, "bench/")
+    blobs = {}
+    for entry in out.stdout.decode("utf-8", errors="replace").split("\0"):
+        meta, _, path = entry.partition("\t")
+        parts = meta.split()
+        if len(parts) == 3 and parts[1] == "blob":
+            blobs[path.removeprefix("bench/")] = parts[2]
+    return blobs
+
+
+def _blob(root: Path, blob: str, name: str) -> bytes:
+    data = git_bytes(root, "cat-file", "blob", blob).stdout
+    if _blob_id(data) != blob:
+        raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
+    return data
+
+
+def _pinned_names(root: Path, commit: str, blobs: dict[str, str]) -> tuple[str, ...]:
+    if MANIFEST not in blobs:
         return LEGACY_HARNESS_FILES  # made before the manifest: see the module docstring
-    return (*manifest_files(out.stdout.decode("utf-8")), MANIFEST)
+    return (*manifest_files(_blob(root, blobs[MANIFEST], MANIFEST).decode("utf-8")), MANIFEST)
 
 
 def pinned_harness(root: Path) -> Path:
@@ -129,18 +148,16 @@ def pinned_harness(root: Path) -> Path:
     if commit is None:
         raise HarnessError(f"{root}: cannot find the lab's first commit (no branch autolab/master)")
     pinned = LabPaths.of(root).state / "harness" / commit[:12]
-    for name in _pinned_names(root, commit):
-        want = git_bytes(root, "rev-parse", f"{commit}:bench/{name}")
-        if want.returncode != 0:
+    blobs = _bench_blobs(root, commit)
+    for name in _pinned_names(root, commit, blobs):
+        blob = blobs.get(name)
+        if blob is None:
             raise HarnessError(f"the lab's first commit {commit[:12]} has no bench/{name}: this "
                                "lab was made by an older autolab; make a new one with `autolab init`")
-        blob = want.stdout.decode().strip()
         path = pinned / name
         if path.is_file() and _blob_id(path.read_bytes()) == blob:
             continue
-        data = git_bytes(root, "cat-file", "blob", blob).stdout
-        if _blob_id(data) != blob:
-            raise HarnessError(f"git returned other bytes for bench/{name} ({blob[:12]})")
+        data = _blob(root, blob, name)
         pinned.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data.decode("utf-8"))
     return pinned
