@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import sandbox  # the trusted one, next to this file
-from harness_common import Outcome, RunLog, budget_slack
+from harness_common import Outcome, RunLog, budget_slack, kill_until_gone
 from harness_stream import DataServer
 from harness_uid import uid_mode_problem
 
@@ -212,17 +212,7 @@ def _survivors(namespace: str | None) -> list[int]:
     process) takes a while to give its memory back on a loaded machine: it gets until
     SURVIVOR_GRACE_SECONDS. A zombie has exited (no memory, no files, no code left to run):
     it is not a survivor."""
-    deadline = time.monotonic() + SURVIVOR_GRACE_SECONDS
-    left = _living(sandbox.survivors(namespace))
-    while left and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.05)
-        left = _living(sandbox.survivors(namespace))
-    return left
+    return kill_until_gone(lambda: _living(sandbox.survivors(namespace)), SURVIVOR_GRACE_SECONDS)
 
 
 def _living(pids: list[int]) -> list[int]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent  # the harness's own directory: a lab's pinned copy
@@ -54,6 +56,23 @@ def harness_files() -> tuple[str, ...]:
     """The harness's files, as its manifest lists them, and the manifest."""
     text = (BENCH_DIR / MANIFEST).read_text()
     return (*(n for n in (line.split("#", 1)[0].strip() for line in text.splitlines()) if n), MANIFEST)
+
+
+def kill_until_gone(find, seconds: float) -> list[int]:
+    """SIGKILL whatever `find()` lists (pids) until it lists nothing or `seconds` have passed;
+    returns what is still there. A process killed while it holds gigabytes takes a while to go
+    on a loaded machine, so one SIGKILL and one look are not enough."""
+    deadline = time.monotonic() + seconds
+    left = find()
+    while left and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+        left = find()
+    return left
 
 
 def budget_slack(budget: float) -> float:

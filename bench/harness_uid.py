@@ -21,11 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import sandbox  # the trusted one, next to this file
-from harness_common import BENCH_DIR, Outcome
+from harness_common import BENCH_DIR, Outcome, kill_until_gone
 
 
 UID_ENV = "AUTOLAB_SANDBOX_UID"  # uid mode's uid, if not sandbox.SANDBOX_UID (tests pick their own)
@@ -165,17 +164,7 @@ def sweep_uid(uid: int) -> tuple[int, list[int]]:
             pass
         os._exit(0)
     os.waitpid(pid, 0)
-    deadline = time.monotonic() + 2.0
-    left = uid_processes(uid)
-    while left and time.monotonic() < deadline:
-        for p in left:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.05)
-        left = uid_processes(uid)
-    return len(before), left
+    return len(before), kill_until_gone(lambda: uid_processes(uid), 2.0)
 
 
 def _run_dir(mode: str) -> Path:
