@@ -7,7 +7,7 @@ capabilities, no-new-privs, no supplementary groups), in a scratch directory it 
 starts, a probe process running as that uid must fail to read the harness (every file its
 manifest lists), the data cache and the validation split (root-owned, 0700/0600) and must be
 able to write its scratch directory; otherwise the run is refused (`SandboxUnavailable`). It
-imports its own copy of prepare.py. When it exits, every process of that uid is killed:
+imports its own copy of prepare.py and its siblings (prepare.FILES). When it exits, every process of that uid is killed:
 kill(-1, SIGKILL) sent by a process running as that uid, then a /proc scan (`ProcessesLeft` if
 any survives). No process of the uid may exist before the run starts.
 """
@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import prepare  # the trusted one, next to this file: its FILES are what the candidate imports
 import sandbox  # the trusted one, next to this file
 from harness_common import BENCH_DIR, Outcome, kill_until_gone
 
@@ -133,12 +134,13 @@ def _uid_preflight(uid: int, scratch: Path, hidden: list[Path]) -> None:
 
 def _uid_workspace(run_dir: Path, scratch: Path, uid: int) -> Path:
     """Make run_dir traversable (not listable), scratch the uid's own; return the directory of
-    the candidate's own copy of prepare.py (the module train.py imports)."""
+    the candidate's own copy of prepare.py (the module train.py imports) and its siblings."""
     os.chmod(run_dir, 0o711)
     lib = run_dir / "lib"
     lib.mkdir(exist_ok=True)
-    shutil.copyfile(BENCH_DIR / "prepare.py", lib / "prepare.py")
-    os.chmod(lib / "prepare.py", 0o644)
+    for name in prepare.FILES:
+        shutil.copyfile(BENCH_DIR / name, lib / name)
+        os.chmod(lib / name, 0o644)
     os.chmod(lib, 0o755)
     for sub in ("export", "tmp"):
         (scratch / sub).mkdir(exist_ok=True)

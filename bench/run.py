@@ -29,6 +29,7 @@ lists, one concern each, pinned by a lab as one unit (controller/lab/harness.py)
     harness_one_run.py        --phase all: everything, in this process (run_candidate)
     harness_phases.py         --phase stage | train | evaluate: one container each
     prepare.py, evaluate.py, sandbox.py   the data, the evaluator, the sandbox's command line
+    prepare_*.py, evaluate_*.py           their parts, one concern each (see their docstrings)
 
 `python -I` puts neither this file's directory nor the working directory on sys.path. This
 file puts its own directory first, so its siblings are imported from the pinned copy beside

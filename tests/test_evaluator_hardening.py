@@ -15,6 +15,7 @@ the probes, and archives that run code when torch.export.load unpickles them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import math
@@ -38,6 +39,24 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 FIXED_SEED = "5eed" * 8  # --seed for the test whose cheat is caught with probability < 1 (see there)
 
 
+def _prepare_module(name: str) -> bool:
+    return name == "prepare" or name.startswith("prepare_")
+
+
+def _private_prepare():
+    """prepare.py and its siblings imported anew under this environment (the tiny profile), then
+    taken out of sys.modules again: this process's own `prepare`, if any, is left as it was."""
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules) if _prepare_module(n)}
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("prepare")
+    finally:
+        sys.path.remove(str(BENCH))
+        for n in [n for n in sys.modules if _prepare_module(n)]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+
+
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """Tiny synthetic data in a fresh cache, and a private import of prepare.py with the tiny profile."""
@@ -52,10 +71,7 @@ def harness(tmp_path_factory):
             mp.delenv(k)
         mp.setenv("AUTOLAB_CACHE", str(cache))
         mp.setenv("AUTOLAB_BENCH_PROFILE", "tiny")
-        spec = importlib.util.spec_from_file_location("prepare_for_evaluator_tests", BENCH / "prepare.py")
-        prepare = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = prepare  # dataclasses look their module up there
-        spec.loader.exec_module(prepare)
+        prepare = _private_prepare()
     data = prepare.load_prepared(prep.stdout.splitlines()[0])
     return types.SimpleNamespace(prepare=prepare, data=data, env=env, vocab=prepare.VOCAB_SIZE,
                                  rows=prepare.EVAL_BATCH_SIZE, seq_len=prepare.MAX_SEQ_LEN)

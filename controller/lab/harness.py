@@ -6,7 +6,8 @@ measures.
 
 The harness is one versioned unit. `bench/HARNESS` (the manifest) lists its files, one a
 line: `run.py` (the entry point, `python -I run.py`), its `harness_*.py` modules of one
-concern each, `prepare.py`, `evaluate.py` and `sandbox.py`. The manifest is the one list:
+concern each, `prepare.py` and `evaluate.py` with their `prepare_*.py` and `evaluate_*.py`
+parts, and `sandbox.py`. The manifest is the one list:
 pinning, bundling a job, restoring a lab's bench/ and the harness's own check that nothing
 changed it mid-run all read it, and the pin holds over every file it lists and over the
 manifest itself. `harness_digest` names a pinned harness by one hash over all of them.

@@ -70,6 +70,8 @@ def _prepare_names() -> set[str]:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prepare_"):  # its siblings' names
+            names.update(a.asname or a.name for a in node.names if a.name != "*")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
