@@ -265,9 +265,7 @@ class Engine:
 
     def _master_in_step(self, asked_at: float) -> None:
         """Bring the lab repo's master in step with a master of record that mirrors another."""
-        before_checks = getattr(self.master, "before_checks", None)
-        if before_checks is not None:
-            before_checks(asked_at)
+        self.master.before_checks(asked_at)
 
     # -- the checked spec ---------------------------------------------------------------------------
     def checked_spec(self, key: str) -> dict | None:

@@ -58,13 +58,16 @@ class MasterOfRecord(Protocol):
     and the `autolab/master` branch); in a cluster, the master ConfigMap, which the lab repo
     follows.
 
-    A store that mirrors another (the cluster's) also has `before_checks(asked_at)`: bring
-    the lab repo's master in step before a candidate is checked against it. It is called
-    under the engine's lock; `asked_at` (time.monotonic()) is when the check asked: a
-    bringing in step begun since then (under the same lock) is as fresh as a new one.
+    `before_checks(asked_at)` brings the lab repo's master in step before a candidate is
+    checked against it: a store that mirrors another (the cluster's) does that; the lab repo,
+    its own master, has nothing to do. It is called under the engine's lock; `asked_at`
+    (time.monotonic()) is when the check asked: a bringing in step begun since then (under the
+    same lock) is as fresh as a new one.
     """
 
     def master(self) -> Master: ...
+
+    def before_checks(self, asked_at: float | None = None) -> None: ...
 
     def master_source(self) -> str: ...
 

@@ -126,6 +126,10 @@ class RepoMaster:
             self._write(d)
             return True
 
+    def before_checks(self, asked_at: float | None = None) -> None:
+        """The engine's seam (`MasterOfRecord`): the lab repo is its own master of record, so
+        there is nothing to bring in step before a check."""
+
     def promote_candidate(self, p: Promotion) -> PromotionResult:
         """The engine's compare-and-swap (`MasterOfRecord`): `promote`, of a `Promotion`."""
         return self.promote(p.name, p.commit, p.val_bpb, p.hashes, p.parent, p.now, p.margin,
